@@ -1,0 +1,262 @@
+//! # Activations
+//!
+//! The nonlinearity `φ` of the feed-forward network, applied element-wise to the hidden
+//! pre-activations. In a gated network (Shazeer 2020) it is applied to the `gate` projection
+//! only, and the product with the linear `up` projection carries the rest:
+//! `h = φ(x W_gate) ⊙ (x W_up)`. With `φ = σ` that is Dauphin et al.'s GLU, with the identity
+//! the Bilinear layer, with ReLU, GELU and Swish the ReGLU, GEGLU and SwiGLU variants.
+//!
+//! Names follow PyTorch and Hugging Face `transformers`; the spellings `transformers` uses in
+//! its `hidden_act` config key are accepted as aliases (see [`Activation::from_str`]).
+
+use std::fmt;
+use std::str::FromStr;
+
+use burn::module::{
+    Content, Devices, Module, ModuleDisplay, ModuleDisplayDefault, ModuleMapper, ModuleVisitor,
+    Param, ParamId,
+};
+use burn::tensor::{Device, Int, Tensor, TensorData, activation};
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+use crate::ConfigError;
+
+/// The element-wise activation function `φ`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Activation {
+    /// `ReLU(x) = max(0, x)` (Nair & Hinton 2010); the original Transformer's choice.
+    Relu,
+    /// Exact GELU, `GELU(x) = x Φ(x) = x · ½ (1 + erf(x / √2))` (Hendrycks & Gimpel 2016);
+    /// BERT's `gelu` and PyTorch's `nn.GELU()`.
+    Gelu,
+    /// The tanh approximation of GELU,
+    /// `x · ½ (1 + tanh(√(2/π) (x + 0.044715 x³)))`; GPT-2's `gelu_new`, PyTorch's
+    /// `nn.GELU(approximate="tanh")`, T5 v1.1's gated-gelu.
+    GeluTanh,
+    /// SiLU, or Swish with β = 1: `SiLU(x) = x σ(x)` (Ramachandran et al. 2017); LLaMA's choice.
+    Silu,
+    /// The logistic sigmoid `σ(x) = 1 / (1 + e⁻ˣ)`; gated, it is the original GLU.
+    Sigmoid,
+    /// The identity `φ(x) = x`; gated, it is the Bilinear layer, ungated a linear network.
+    Identity,
+    /// Squared ReLU, `ReLU(x)²` (So et al. 2021, Primer).
+    Relu2,
+    /// The hyperbolic tangent.
+    Tanh,
+}
+
+impl Activation {
+    /// Every activation, in the order of their persisted codes.
+    pub const ALL: [Activation; 8] = [
+        Activation::Relu,
+        Activation::Gelu,
+        Activation::GeluTanh,
+        Activation::Silu,
+        Activation::Sigmoid,
+        Activation::Identity,
+        Activation::Relu2,
+        Activation::Tanh,
+    ];
+
+    /// Alternative spellings accepted when parsing, mostly `transformers`' `hidden_act` names,
+    /// each with the activation it means.
+    pub const ALIASES: [(&'static str, Activation); 13] = [
+        ("gelu_exact", Activation::Gelu),
+        ("gelu_python", Activation::Gelu),
+        ("gelu_new", Activation::GeluTanh),
+        ("gelu_fast", Activation::GeluTanh),
+        ("gelu_accurate", Activation::GeluTanh),
+        ("gelu_pytorch_tanh", Activation::GeluTanh),
+        ("swish", Activation::Silu),
+        ("linear", Activation::Identity),
+        ("none", Activation::Identity),
+        ("squared_relu", Activation::Relu2),
+        ("relu_squared", Activation::Relu2),
+        ("logistic", Activation::Sigmoid),
+        ("swish1", Activation::Silu),
+    ];
+
+    /// The canonical name, as written to configs and file metadata.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Activation::Relu => "relu",
+            Activation::Gelu => "gelu",
+            Activation::GeluTanh => "gelu_tanh",
+            Activation::Silu => "silu",
+            Activation::Sigmoid => "sigmoid",
+            Activation::Identity => "identity",
+            Activation::Relu2 => "relu2",
+            Activation::Tanh => "tanh",
+        }
+    }
+
+    /// Every accepted spelling (canonical names, then aliases), comma separated.
+    pub fn known_names() -> String {
+        let canonical = Self::ALL.iter().map(|a| a.name());
+        let aliases = Self::ALIASES.iter().map(|(alias, _)| *alias);
+        canonical.chain(aliases).collect::<Vec<_>>().join(", ")
+    }
+
+    /// The stable code this activation is persisted as in burn records (its index in
+    /// [`Activation::ALL`]).
+    pub(crate) fn code(self) -> i64 {
+        Self::ALL.iter().position(|a| *a == self).expect("in ALL") as i64
+    }
+
+    pub(crate) fn from_code(code: i64) -> Option<Self> {
+        usize::try_from(code)
+            .ok()
+            .and_then(|i| Self::ALL.get(i).copied())
+    }
+
+    /// Applies `φ` element-wise.
+    pub fn forward<const D: usize>(self, x: Tensor<D>) -> Tensor<D> {
+        match self {
+            Activation::Relu => activation::relu(x),
+            Activation::Gelu => activation::gelu(x),
+            Activation::GeluTanh => activation::gelu_approximate(x),
+            Activation::Silu => activation::silu(x),
+            Activation::Sigmoid => activation::sigmoid(x),
+            Activation::Identity => x,
+            Activation::Relu2 => {
+                let r = activation::relu(x);
+                r.clone() * r
+            }
+            Activation::Tanh => activation::tanh(x),
+        }
+    }
+}
+
+impl fmt::Display for Activation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Activation {
+    type Err = ConfigError;
+
+    /// Parses a canonical name or an alias, ignoring ASCII case and treating `-` as `_`.
+    fn from_str(name: &str) -> Result<Self, ConfigError> {
+        let normal = name.trim().to_ascii_lowercase().replace('-', "_");
+        Self::ALL
+            .iter()
+            .map(|a| (a.name(), *a))
+            .chain(Self::ALIASES)
+            .find(|(spelling, _)| *spelling == normal)
+            .map(|(_, a)| a)
+            .ok_or_else(|| ConfigError::UnknownActivation {
+                name: name.to_string(),
+                known: Self::known_names(),
+            })
+    }
+}
+
+impl Serialize for Activation {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_str(self.name())
+    }
+}
+
+impl<'de> Deserialize<'de> for Activation {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let name = String::deserialize(deserializer)?;
+        name.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+/// The activation as module state: the [`Activation`] the forward pass uses, mirrored by a
+/// one-element integer tensor holding its code, so that it travels with the weights.
+///
+/// burn records hold tensors only, so a plain `#[module(skip)]` field (burn's own
+/// `PositionWiseFeedForward`) comes back from a file as whatever the loading module was built
+/// with. This one is recorded under the key `activation`; loading a record (or a file written
+/// from one) adopts the activation it was saved with.
+#[derive(Debug, Clone)]
+pub(crate) struct ActivationState {
+    pub(crate) activation: Activation,
+    code: Param<Tensor<1, Int>>,
+}
+
+impl ActivationState {
+    pub(crate) fn new(activation: Activation, device: &Device) -> Self {
+        let code = Tensor::from_data(TensorData::from([activation.code()]), device);
+        Self {
+            activation,
+            code: Param::initialized(ParamId::new(), code),
+        }
+    }
+
+    /// Rebuilds the state around a (possibly replaced) code tensor. A code this version does not
+    /// know (a hand-edited record) keeps the current activation.
+    fn with_code(activation: Activation, code: Param<Tensor<1, Int>>) -> Self {
+        let stored = code.val().into_data().iter::<i64>().next();
+        let activation = stored.and_then(Activation::from_code).unwrap_or(activation);
+        Self { activation, code }
+    }
+
+    /// Replaces the activation, keeping the code tensor's id and device.
+    pub(crate) fn set(self, activation: Activation) -> Self {
+        let device = self.code.lazy_device();
+        let id = self.code.id;
+        let code = Tensor::from_data(TensorData::from([activation.code()]), &device);
+        Self {
+            activation,
+            code: Param::initialized(id, code),
+        }
+    }
+}
+
+impl Module for ActivationState {
+    fn collect_devices(&self, devices: Devices) -> Devices {
+        Module::collect_devices(&self.code, devices)
+    }
+
+    fn fork(self, device: &Device) -> Self {
+        Self {
+            activation: self.activation,
+            code: Module::fork(self.code, device),
+        }
+    }
+
+    fn to_device(self, device: &Device) -> Self {
+        Self {
+            activation: self.activation,
+            code: Module::to_device(self.code, device),
+        }
+    }
+
+    fn train(self) -> Self {
+        Self {
+            activation: self.activation,
+            code: Module::train(self.code),
+        }
+    }
+
+    fn valid(&self) -> Self {
+        Self {
+            activation: self.activation,
+            code: Module::valid(&self.code),
+        }
+    }
+
+    fn materialize(self) -> Self {
+        self
+    }
+
+    fn visit<V: ModuleVisitor>(&self, visitor: &mut V) {
+        Module::visit(&self.code, visitor)
+    }
+
+    fn map<M: ModuleMapper>(self, mapper: &mut M) -> Self {
+        Self::with_code(self.activation, Module::map(self.code, mapper))
+    }
+}
+
+impl ModuleDisplayDefault for ActivationState {
+    fn content(&self, content: Content) -> Option<Content> {
+        content.add_formatted(&self.activation.name()).optional()
+    }
+}
+
+impl ModuleDisplay for ActivationState {}

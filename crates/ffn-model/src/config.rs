@@ -1,0 +1,264 @@
+//! # The configuration
+//!
+//! [`FeedForwardConfig`] is plain serde data: every field but `d_model` and `d_ff` has a default,
+//! so a TOML file can be as short as
+//!
+//! ```toml
+//! d_model = 512
+//! d_ff = 1365
+//! activation = "silu"
+//! gated = true
+//! ```
+//!
+//! and a misspelt key is an error rather than silently ignored.
+
+use burn::nn::Initializer;
+use burn::tensor::Device;
+use serde::{Deserialize, Serialize};
+
+use crate::{Activation, ConfigError, FeedForward};
+
+/// Where dropout is applied.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DropoutAt {
+    /// On the hidden activations `h`, before the down projection (labml, the Annotated
+    /// Transformer, T5).
+    #[default]
+    Hidden,
+    /// On the output `y` (BERT's `BertOutput`; the Transformer's residual dropout).
+    Output,
+}
+
+/// The configuration of a [`FeedForward`] network.
+///
+/// Ungated: `y = down(φ(up(x)))`. Gated: `y = down(φ(gate(x)) ⊙ up(x))`, the LLaMA/T5
+/// convention: the activated projection is `gate`, its linear partner `up`.
+///
+/// Defaults: GELU (exact), ungated, no biases, no dropout (at the hidden layer when set), and
+/// PyTorch's `nn.Linear` initialisation `U(-1/√fan_in, 1/√fan_in)`.
+///
+/// ```
+/// use ffn_model::{Activation, FeedForwardConfig};
+///
+/// let config = FeedForwardConfig::new(512, 1365)
+///     .with_activation(Activation::Silu)
+///     .with_gated(true);
+/// assert!(config.validate().is_ok());
+/// assert_eq!(config.num_params(), 3 * 512 * 1365);
+///
+/// let toml = config.to_toml();
+/// assert_eq!(FeedForwardConfig::from_toml(&toml).unwrap(), config);
+/// ```
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FeedForwardConfig {
+    /// Width of the input and output, `d_model`.
+    pub d_model: usize,
+    /// Width of the hidden layer, `d_ff`.
+    pub d_ff: usize,
+    /// The nonlinearity `φ`.
+    #[serde(default = "default_activation")]
+    pub activation: Activation,
+    /// Gate the hidden layer: `h = φ(gate(x)) ⊙ up(x)` (Shazeer 2020).
+    #[serde(default)]
+    pub gated: bool,
+    /// Bias on the `up` projection.
+    #[serde(default)]
+    pub bias_up: bool,
+    /// Bias on the `gate` projection (gated networks only).
+    #[serde(default)]
+    pub bias_gate: bool,
+    /// Bias on the `down` projection.
+    #[serde(default)]
+    pub bias_down: bool,
+    /// Dropout probability, in `[0, 1)`. Applied only while training on an autodiff device.
+    #[serde(default)]
+    pub dropout: f64,
+    /// Where dropout is applied.
+    #[serde(default)]
+    pub dropout_at: DropoutAt,
+    /// Initialisation of every weight and bias (burn's [`Initializer`]).
+    #[serde(default = "default_initializer")]
+    pub initializer: Initializer,
+}
+
+fn default_activation() -> Activation {
+    Activation::Gelu
+}
+
+/// PyTorch's `nn.Linear` default: Kaiming-uniform with gain `1/√3`, i.e. `U(-1/√fan_in, 1/√fan_in)`
+/// for weights and biases alike.
+fn default_initializer() -> Initializer {
+    Initializer::KaimingUniform {
+        gain: 1.0 / 3f64.sqrt(),
+        fan_out_only: false,
+    }
+}
+
+impl burn::config::Config for FeedForwardConfig {}
+
+impl FeedForwardConfig {
+    /// An ungated GELU network without biases or dropout; adjust with the `with_*` methods.
+    pub fn new(d_model: usize, d_ff: usize) -> Self {
+        Self {
+            d_model,
+            d_ff,
+            activation: default_activation(),
+            gated: false,
+            bias_up: false,
+            bias_gate: false,
+            bias_down: false,
+            dropout: 0.0,
+            dropout_at: DropoutAt::Hidden,
+            initializer: default_initializer(),
+        }
+    }
+
+    /// Sets the activation.
+    pub fn with_activation(mut self, activation: Activation) -> Self {
+        self.activation = activation;
+        self
+    }
+
+    /// Sets gating.
+    pub fn with_gated(mut self, gated: bool) -> Self {
+        self.gated = gated;
+        self
+    }
+
+    /// Sets the bias of the `up` projection.
+    pub fn with_bias_up(mut self, bias: bool) -> Self {
+        self.bias_up = bias;
+        self
+    }
+
+    /// Sets the bias of the `gate` projection.
+    pub fn with_bias_gate(mut self, bias: bool) -> Self {
+        self.bias_gate = bias;
+        self
+    }
+
+    /// Sets the bias of the `down` projection.
+    pub fn with_bias_down(mut self, bias: bool) -> Self {
+        self.bias_down = bias;
+        self
+    }
+
+    /// Sets the dropout probability.
+    pub fn with_dropout(mut self, dropout: f64) -> Self {
+        self.dropout = dropout;
+        self
+    }
+
+    /// Sets where dropout is applied.
+    pub fn with_dropout_at(mut self, dropout_at: DropoutAt) -> Self {
+        self.dropout_at = dropout_at;
+        self
+    }
+
+    /// Sets the initializer.
+    pub fn with_initializer(mut self, initializer: Initializer) -> Self {
+        self.initializer = initializer;
+        self
+    }
+
+    /// Checks every field; the first problem found is returned.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.d_model == 0 {
+            return Err(ConfigError::ZeroSize { field: "d_model" });
+        }
+        if self.d_ff == 0 {
+            return Err(ConfigError::ZeroSize { field: "d_ff" });
+        }
+        if !(self.dropout.is_finite() && (0.0..1.0).contains(&self.dropout)) {
+            return Err(ConfigError::Dropout(self.dropout));
+        }
+        if self.bias_gate && !self.gated {
+            return Err(ConfigError::GateBiasWithoutGating);
+        }
+        Ok(())
+    }
+
+    /// The number of projections: `up` and `down`, plus `gate` when gated.
+    fn num_projections(&self) -> usize {
+        if self.gated { 3 } else { 2 }
+    }
+
+    /// The number of trainable parameters:
+    /// `(2 or 3) · d_model · d_ff` weights plus `d_ff` per bias on `up` and `gate` and
+    /// `d_model` for a bias on `down`.
+    pub fn num_params(&self) -> usize {
+        let weights = self.num_projections() * self.d_model * self.d_ff;
+        let biases = usize::from(self.bias_up) * self.d_ff
+            + usize::from(self.bias_gate) * self.d_ff
+            + usize::from(self.bias_down) * self.d_model;
+        weights + biases
+    }
+
+    /// Forward FLOPs per token of the matrix products, counting a multiply-add as 2:
+    /// `2 · d_model · d_ff` per projection, so `4 · d_model · d_ff` ungated and
+    /// `6 · d_model · d_ff` gated. Biases, `φ`, the gating product and dropout (`O(d_ff)` each)
+    /// are not counted. A training step (forward and backward) costs three times this.
+    pub fn flops_per_token(&self) -> u64 {
+        2 * (self.num_projections() * self.d_model * self.d_ff) as u64
+    }
+
+    /// Builds the module on `device`.
+    ///
+    /// # Panics
+    ///
+    /// If the config is invalid (see [`validate`](Self::validate)); use
+    /// [`try_init`](Self::try_init) to get the error instead.
+    pub fn init(&self, device: &Device) -> FeedForward {
+        self.try_init(device)
+            .unwrap_or_else(|err| panic!("invalid FeedForwardConfig: {err}"))
+    }
+
+    /// Builds the module on `device`, or says why the config is invalid.
+    pub fn try_init(&self, device: &Device) -> Result<FeedForward, ConfigError> {
+        self.validate()?;
+        Ok(FeedForward::new(self, device))
+    }
+
+    /// Parses and validates a TOML config.
+    pub fn from_toml(text: &str) -> Result<Self, ConfigError> {
+        let table: toml::Table = toml::from_str(text).map_err(|e| parse_error("TOML", e))?;
+        check_activation(table.get("activation").and_then(|v| v.as_str()))?;
+        let config: Self = table.try_into().map_err(|e| parse_error("TOML", e))?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Parses and validates a JSON config.
+    pub fn from_json(text: &str) -> Result<Self, ConfigError> {
+        let value: serde_json::Value =
+            serde_json::from_str(text).map_err(|e| parse_error("JSON", e))?;
+        check_activation(value.get("activation").and_then(|v| v.as_str()))?;
+        let config: Self = serde_json::from_value(value).map_err(|e| parse_error("JSON", e))?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// The config as TOML, every field written out.
+    pub fn to_toml(&self) -> String {
+        toml::to_string(self).expect("a FeedForwardConfig is representable in TOML")
+    }
+
+    /// The config as pretty-printed JSON, every field written out.
+    pub fn to_json(&self) -> String {
+        serde_json::to_string_pretty(self).expect("a FeedForwardConfig is representable in JSON")
+    }
+}
+
+/// Turns an unknown activation name into its typed error before serde turns it into text.
+fn check_activation(name: Option<&str>) -> Result<(), ConfigError> {
+    name.map_or(Ok(()), |name| name.parse::<Activation>().map(drop))
+}
+
+fn parse_error(format: &'static str, err: impl std::fmt::Display) -> ConfigError {
+    ConfigError::Parse {
+        format,
+        message: err.to_string().trim().to_string(),
+    }
+}

@@ -1,0 +1,106 @@
+//! Typed errors: every bad value a user can hand this crate ends here, never in a panic.
+
+use std::path::PathBuf;
+
+/// An invalid [`FeedForwardConfig`](crate::FeedForwardConfig), or a config text that cannot be
+/// parsed into one.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ConfigError {
+    /// A size that must be positive is zero.
+    #[error("`{field}` must be at least 1, got 0")]
+    ZeroSize {
+        /// The field's name (`d_model`, `d_ff`, `multiple_of`).
+        field: &'static str,
+    },
+    /// The dropout probability is not a finite number in `[0, 1)`.
+    #[error("`dropout` must be a probability in [0, 1), got {0}")]
+    Dropout(f64),
+    /// `bias_gate` is set on an ungated network, which has no gate projection.
+    #[error("`bias_gate = true` needs `gated = true`: an ungated network has no gate projection")]
+    GateBiasWithoutGating,
+    /// An activation name that is neither a canonical name nor a known alias.
+    #[error("unknown activation `{name}`; known: {known}")]
+    UnknownActivation {
+        /// The name as written.
+        name: String,
+        /// Every accepted spelling, comma separated.
+        known: String,
+    },
+    /// An unknown preset name.
+    #[error("unknown preset `{name}`; known: {known}")]
+    UnknownPreset {
+        /// The name as written.
+        name: String,
+        /// Every accepted name, comma separated.
+        known: String,
+    },
+    /// The text is not a valid TOML or JSON config (syntax, a missing `d_model`, a misspelt key …).
+    #[error("invalid {format} config: {message}")]
+    Parse {
+        /// `TOML` or `JSON`.
+        format: &'static str,
+        /// The parser's message, with its line and column where it gives them.
+        message: String,
+    },
+}
+
+/// An error from loading or saving weights.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The module's config is invalid.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// The file could not be read or written.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The operating system's error.
+        source: std::io::Error,
+    },
+    /// The file is not a readable safetensors file (truncated, bad header, overlapping data …).
+    #[error("{path}: not a valid safetensors file: {reason}")]
+    Corrupt {
+        /// The file (or `<bytes>` for an in-memory buffer).
+        path: PathBuf,
+        /// What the safetensors parser reported.
+        reason: String,
+    },
+    /// A tensor the module needs is not in the file.
+    #[error("missing tensor `{key}`{hint}")]
+    MissingTensor {
+        /// The tensor's name.
+        key: String,
+        /// Extra context, such as the file being gated while the module is not.
+        hint: String,
+    },
+    /// The file holds a tensor the module has no place for.
+    #[error("unexpected tensor `{key}`{hint}")]
+    UnexpectedTensor {
+        /// The tensor's name.
+        key: String,
+        /// Extra context, such as the file being gated while the module is not.
+        hint: String,
+    },
+    /// A tensor has the wrong shape.
+    #[error("tensor `{key}` has shape {actual:?}, expected {expected:?}")]
+    Shape {
+        /// The tensor's name.
+        key: String,
+        /// The shape the module needs (PyTorch layout).
+        expected: Vec<usize>,
+        /// The shape in the file.
+        actual: Vec<usize>,
+    },
+    /// A tensor has a dtype that cannot hold weights (integers, booleans, 8-bit floats …).
+    #[error("tensor `{key}` has dtype {dtype}; weights must be F32, F64, F16 or BF16")]
+    DType {
+        /// The tensor's name.
+        key: String,
+        /// The dtype in the file.
+        dtype: String,
+    },
+    /// The file's `ffn.activation` metadata names an activation this version does not know.
+    #[error("metadata `ffn.activation` = `{0}` is not a known activation")]
+    Metadata(String),
+}

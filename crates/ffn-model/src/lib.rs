@@ -1,0 +1,44 @@
+//! # ffn-model
+//!
+//! The transformer's position-wise feed-forward network as one burn [`Module`](burn::module::Module),
+//! [`FeedForward`], covering the variants in use: any [`Activation`], optional gating (the GLU
+//! family of Shazeer 2020), a bias switch per projection, dropout on the hidden layer or the
+//! output.
+//!
+//! ```text
+//! ungated: y = down(φ(up(x)))
+//! gated:   y = down(φ(gate(x)) ⊙ up(x))
+//! ```
+//!
+//! The crate enables no burn backend: the [`Device`](burn::tensor::Device) a caller passes
+//! decides where the module lives, and the same type runs on every backend the final binary
+//! compiles in.
+//!
+//! ```
+//! use burn::tensor::{Device, Tensor};
+//! use ffn_model::{FeedForwardConfig, Variant};
+//!
+//! let device = Device::flex();
+//! let config = FeedForwardConfig::preset(Variant::SwiGlu, 512); // d_ff = 1365
+//! let ffn = config.init(&device);
+//! assert_eq!(ffn.num_params(), 3 * 512 * 1365);
+//!
+//! let y = ffn.forward(Tensor::<3>::zeros([4, 16, 512], &device));
+//! assert_eq!(y.dims(), [4, 16, 512]);
+//! ```
+//!
+//! Weights load from and save to safetensors files with PyTorch names and layout
+//! ([`FeedForward::load_safetensors`], [`FeedForward::save_safetensors`]).
+
+mod activation;
+mod config;
+mod error;
+mod model;
+mod preset;
+pub mod weights;
+
+pub use activation::Activation;
+pub use config::{DropoutAt, FeedForwardConfig};
+pub use error::{ConfigError, Error};
+pub use model::FeedForward;
+pub use preset::Variant;

@@ -1,0 +1,60 @@
+//! Helpers shared by the integration tests.
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+
+use burn::module::{ModuleMapper, Param};
+use burn::tensor::{DType, Device, Tensor, TensorData};
+use safetensors::SafeTensors;
+
+/// The CPU device the tests run on, with autodiff.
+pub fn device() -> Device {
+    Device::flex().autodiff()
+}
+
+/// A file of `tests/data`.
+pub fn data_file(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/data")
+        .join(name)
+}
+
+/// A tensor of a safetensors file as f64 data.
+pub fn read_f64(file: &SafeTensors<'_>, key: &str) -> TensorData {
+    let view = file
+        .tensor(key)
+        .unwrap_or_else(|e| panic!("golden key {key}: {e}"));
+    assert_eq!(view.dtype(), safetensors::Dtype::F64, "{key}");
+    let values: Vec<f64> = view
+        .data()
+        .chunks_exact(8)
+        .map(|c| f64::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    TensorData::new(values, view.shape().to_vec())
+}
+
+/// The largest `|a - b|`, divided by `max(1, max |b|)`: an error relative to the tensor's
+/// scale, which stays meaningful for entries near zero.
+pub fn scaled_error(actual: &TensorData, expected: &TensorData) -> f64 {
+    assert_eq!(actual.shape(), expected.shape());
+    let a: Vec<f64> = actual.iter::<f64>().collect();
+    let b: Vec<f64> = expected.iter::<f64>().collect();
+    let scale = b.iter().fold(1.0f64, |m, v| m.max(v.abs()));
+    a.iter()
+        .zip(&b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f64::max)
+        / scale
+}
+
+/// Casts every float parameter of a module to `dtype`.
+pub struct Cast(pub DType);
+
+impl ModuleMapper for Cast {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        let dtype = self.0;
+        let id = param.id;
+        let tensor = param.val().inner().cast(dtype).autodiff().require_grad();
+        Param::initialized(id, tensor)
+    }
+}

@@ -1,0 +1,1 @@
+//! Training for `ffn-model` (see issue: ffn-train).
