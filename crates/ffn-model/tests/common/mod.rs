@@ -58,3 +58,9 @@ impl ModuleMapper for Cast {
         Param::initialized(id, tensor)
     }
 }
+
+/// The same safetensors file without its header metadata.
+pub fn strip_metadata(bytes: &[u8]) -> Vec<u8> {
+    let file = SafeTensors::deserialize(bytes).unwrap();
+    safetensors::serialize(file.tensors(), None).unwrap()
+}
