@@ -1,1 +1,32 @@
-//! ffn
+//! # ffn
+//!
+//! The transformer's position-wise feed-forward network as a trainable, backend-swappable
+//! burn module. This crate gathers the workspace: [`model`] (`ffn-model`: the
+//! [`FeedForward`] module) and [`train`] (`ffn-train`), and owns the backend features
+//! (`flex`, the default, `ndarray`, `wgpu`).
+//!
+//! ```
+//! use ffn::{Device, FeedForwardConfig, Tensor, Variant};
+//!
+//! let device = ffn::cpu();
+//! let ffn = FeedForwardConfig::preset(Variant::GeGlu, 32).init(&device);
+//! let y = ffn.forward(Tensor::<3>::ones([2, 4, 32], &device));
+//! assert_eq!(y.dims(), [2, 4, 32]);
+//! # let _: Device = device;
+//! ```
+
+pub use burn::tensor::{Device, Tensor};
+pub use ffn_model as model;
+pub use ffn_model::{Activation, DropoutAt, FeedForward, FeedForwardConfig, Variant};
+pub use ffn_train as train;
+
+/// The default CPU device of this build: Flex when the `flex` feature is on (the default), else
+/// NdArray.
+#[cfg(any(feature = "flex", feature = "ndarray"))]
+pub fn cpu() -> Device {
+    #[cfg(feature = "flex")]
+    return Device::flex();
+    #[cfg(not(feature = "flex"))]
+    #[allow(deprecated)]
+    return Device::ndarray();
+}

@@ -162,6 +162,12 @@ impl FeedForward {
             .with_dropout_at(self.dropout_at)
     }
 
+    /// The number of trainable parameters (burn's [`Module::num_params`], here without the
+    /// trait in scope).
+    pub fn num_params(&self) -> usize {
+        Module::num_params(self)
+    }
+
     /// Forward FLOPs per token of the matrix products (see
     /// [`FeedForwardConfig::flops_per_token`]).
     pub fn flops_per_token(&self) -> u64 {
@@ -203,7 +209,6 @@ impl ModuleDisplay for FeedForward {
             .add("bias_down", &self.down.bias.is_some())
             .add("dropout", &self.dropout.prob)
             .add("dropout_at", dropout_at)
-            .add("params", &self.num_params())
             .optional()
     }
 }

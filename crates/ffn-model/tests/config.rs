@@ -13,7 +13,10 @@ fn every_field_set() -> FeedForwardConfig {
         .with_bias_down(false)
         .with_dropout(0.25)
         .with_dropout_at(DropoutAt::Output)
-        .with_initializer(Initializer::Normal { mean: 0.0, std: 0.02 })
+        .with_initializer(Initializer::Normal {
+            mean: 0.0,
+            std: 0.02,
+        })
 }
 
 #[test]
@@ -27,9 +30,17 @@ fn toml_and_json_round_trip() {
     ]);
     for config in configs {
         let toml = config.to_toml();
-        assert_eq!(FeedForwardConfig::from_toml(&toml).unwrap(), config, "{toml}");
+        assert_eq!(
+            FeedForwardConfig::from_toml(&toml).unwrap(),
+            config,
+            "{toml}"
+        );
         let json = config.to_json();
-        assert_eq!(FeedForwardConfig::from_json(&json).unwrap(), config, "{json}");
+        assert_eq!(
+            FeedForwardConfig::from_json(&json).unwrap(),
+            config,
+            "{json}"
+        );
     }
 }
 
@@ -48,7 +59,10 @@ fn a_short_toml_file_takes_the_defaults() {
     assert_eq!(config, FeedForwardConfig::new(8, 32));
     assert_eq!(config.activation, Activation::Gelu);
     assert!(!config.gated && !config.bias_up && !config.bias_gate && !config.bias_down);
-    assert_eq!((config.dropout, config.dropout_at), (0.0, DropoutAt::Hidden));
+    assert_eq!(
+        (config.dropout, config.dropout_at),
+        (0.0, DropoutAt::Hidden)
+    );
     assert_eq!(
         config.initializer,
         Initializer::KaimingUniform {
@@ -71,12 +85,24 @@ fn every_validation_error() {
     let ok = FeedForwardConfig::new(4, 8);
     assert_eq!(ok.validate(), Ok(()));
     let cases = [
-        (FeedForwardConfig::new(0, 8), ConfigError::ZeroSize { field: "d_model" }),
-        (FeedForwardConfig::new(4, 0), ConfigError::ZeroSize { field: "d_ff" }),
+        (
+            FeedForwardConfig::new(0, 8),
+            ConfigError::ZeroSize { field: "d_model" },
+        ),
+        (
+            FeedForwardConfig::new(4, 0),
+            ConfigError::ZeroSize { field: "d_ff" },
+        ),
         (ok.clone().with_dropout(1.0), ConfigError::Dropout(1.0)),
         (ok.clone().with_dropout(-0.1), ConfigError::Dropout(-0.1)),
-        (ok.clone().with_dropout(f64::INFINITY), ConfigError::Dropout(f64::INFINITY)),
-        (ok.clone().with_bias_gate(true), ConfigError::GateBiasWithoutGating),
+        (
+            ok.clone().with_dropout(f64::INFINITY),
+            ConfigError::Dropout(f64::INFINITY),
+        ),
+        (
+            ok.clone().with_bias_gate(true),
+            ConfigError::GateBiasWithoutGating,
+        ),
     ];
     for (config, expected) in cases {
         assert_eq!(config.validate(), Err(expected.clone()));
@@ -104,11 +130,23 @@ fn parsing_errors_are_typed_and_clear() {
         panic!("{unknown:?}")
     };
     assert_eq!(name, "gleu");
-    for expected in ["relu", "gelu", "gelu_tanh", "silu", "sigmoid", "identity", "relu2", "tanh"] {
+    for expected in [
+        "relu",
+        "gelu",
+        "gelu_tanh",
+        "silu",
+        "sigmoid",
+        "identity",
+        "relu2",
+        "tanh",
+    ] {
         assert!(known.split(", ").any(|k| k == expected), "{known}");
     }
     let json = FeedForwardConfig::from_json(r#"{"d_model": 4, "d_ff": 8, "activation": "foo"}"#);
-    assert!(matches!(json, Err(ConfigError::UnknownActivation { .. })), "{json:?}");
+    assert!(
+        matches!(json, Err(ConfigError::UnknownActivation { .. })),
+        "{json:?}"
+    );
 
     // Misspelt key.
     let err = FeedForwardConfig::from_toml("d_model = 4\nd_ff = 8\ndropuot = 0.1").unwrap_err();
@@ -124,7 +162,10 @@ fn parsing_errors_are_typed_and_clear() {
     assert!(matches!(err, ConfigError::Parse { .. }), "{err}");
     // Syntax.
     let err = FeedForwardConfig::from_json("{d_model: 4").unwrap_err();
-    assert!(matches!(err, ConfigError::Parse { format: "JSON", .. }), "{err}");
+    assert!(
+        matches!(err, ConfigError::Parse { format: "JSON", .. }),
+        "{err}"
+    );
     // Values are validated on parsing.
     let err = FeedForwardConfig::from_toml("d_model = 4\nd_ff = 8\ndropout = 1.5").unwrap_err();
     assert_eq!(err, ConfigError::Dropout(1.5));
@@ -162,7 +203,10 @@ fn hugging_face_activation_names() {
     for (name, activation) in expected {
         assert_eq!(name.parse::<Activation>(), Ok(activation), "{name}");
         let json = format!(r#"{{"d_model": 2, "d_ff": 2, "activation": "{name}"}}"#);
-        assert_eq!(FeedForwardConfig::from_json(&json).unwrap().activation, activation);
+        assert_eq!(
+            FeedForwardConfig::from_json(&json).unwrap().activation,
+            activation
+        );
     }
     // Canonical names are written back.
     let config = FeedForwardConfig::new(2, 2).with_activation("gelu_new".parse().unwrap());
@@ -192,12 +236,19 @@ fn presets_match_shazeer_at_parameter_parity() {
         let baseline = FeedForwardConfig::preset(Variant::FfnRelu, d_model).num_params() as f64;
         for (variant, activation, gated) in expected {
             let config = FeedForwardConfig::preset(variant, d_model);
-            assert_eq!((config.activation, config.gated), (activation, gated), "{variant}");
+            assert_eq!(
+                (config.activation, config.gated),
+                (activation, gated),
+                "{variant}"
+            );
             assert!(!config.bias_up && !config.bias_gate && !config.bias_down);
             assert_eq!(config.dropout, 0.0);
             assert_eq!(config.validate(), Ok(()));
             let ratio = config.num_params() as f64 / baseline;
-            assert!((ratio - 1.0).abs() < 0.01, "{variant} d_model {d_model}: {ratio}");
+            assert!(
+                (ratio - 1.0).abs() < 0.01,
+                "{variant} d_model {d_model}: {ratio}"
+            );
             let d_ff = if gated {
                 (8.0 * d_model as f64 / 3.0).round() as usize
             } else {
@@ -223,7 +274,9 @@ fn presets_round_up_to_a_multiple() {
     assert_eq!(c.d_ff, 2048);
     assert_eq!(
         FeedForwardConfig::preset_multiple_of(Variant::SwiGlu, 512, 0),
-        Err(ConfigError::ZeroSize { field: "multiple_of" })
+        Err(ConfigError::ZeroSize {
+            field: "multiple_of"
+        })
     );
 }
 
@@ -244,7 +297,10 @@ fn variant_names() {
 #[test]
 fn seed_faithful_configs() {
     let bert = FeedForwardConfig::bert(768);
-    assert_eq!((bert.d_ff, bert.activation, bert.gated), (3072, Activation::Gelu, false));
+    assert_eq!(
+        (bert.d_ff, bert.activation, bert.gated),
+        (3072, Activation::Gelu, false)
+    );
     assert!(bert.bias_up && bert.bias_down);
     assert_eq!((bert.dropout, bert.dropout_at), (0.1, DropoutAt::Output));
     assert_eq!(bert.num_params(), 768 * 3072 * 2 + 3072 + 768);
@@ -255,13 +311,19 @@ fn seed_faithful_configs() {
     assert_eq!(vaswani.num_params(), 2_099_712); // 512·2048·2 + 2048 + 512
 
     let labml = FeedForwardConfig::labml(512, 2048);
-    assert_eq!((labml.activation, labml.dropout_at, labml.dropout), (Activation::Relu, DropoutAt::Hidden, 0.1));
+    assert_eq!(
+        (labml.activation, labml.dropout_at, labml.dropout),
+        (Activation::Relu, DropoutAt::Hidden, 0.1)
+    );
     assert!(labml.bias_up && labml.bias_down && !labml.bias_gate);
 }
 
 #[test]
 fn flops_per_token() {
-    assert_eq!(FeedForwardConfig::new(512, 2048).flops_per_token(), 4 * 512 * 2048);
+    assert_eq!(
+        FeedForwardConfig::new(512, 2048).flops_per_token(),
+        4 * 512 * 2048
+    );
     let gated = FeedForwardConfig::new(512, 1365).with_gated(true);
     assert_eq!(gated.flops_per_token(), 6 * 512 * 1365);
 }

@@ -36,7 +36,10 @@ impl Rng {
 
     fn data(&mut self, shape: &[usize]) -> TensorData {
         let n = shape.iter().product();
-        TensorData::new((0..n).map(|_| self.normal()).collect::<Vec<f64>>(), shape.to_vec())
+        TensorData::new(
+            (0..n).map(|_| self.normal()).collect::<Vec<f64>>(),
+            shape.to_vec(),
+        )
     }
 }
 
@@ -78,7 +81,10 @@ fn scalar(t: Tensor<1>) -> f64 {
 }
 
 fn dot(a: &TensorData, b: &TensorData) -> f64 {
-    a.iter::<f64>().zip(b.iter::<f64>()).map(|(x, y)| x * y).sum()
+    a.iter::<f64>()
+        .zip(b.iter::<f64>())
+        .map(|(x, y)| x * y)
+        .sum()
 }
 
 fn scaled(data: &TensorData, factor: f64) -> TensorData {
@@ -98,13 +104,20 @@ fn check(config: &FeedForwardConfig, rng: &mut Rng) -> f64 {
 
     // (name, analytic gradient) for the input and every parameter.
     let mut tensors = vec![("x".to_string(), x.grad(&grads).unwrap().into_data())];
-    let projections = [("up", Some(ffn.up())), ("gate", ffn.gate()), ("down", Some(ffn.down()))];
+    let projections = [
+        ("up", Some(ffn.up())),
+        ("gate", ffn.gate()),
+        ("down", Some(ffn.down())),
+    ];
     for (name, linear) in projections {
         let Some(linear) = linear else { continue };
         let grad = linear.weight.val().grad(&grads).unwrap().into_data();
         tensors.push((format!("{name}.weight"), grad));
         if let Some(bias) = &linear.bias {
-            tensors.push((format!("{name}.bias"), bias.val().grad(&grads).unwrap().into_data()));
+            tensors.push((
+                format!("{name}.bias"),
+                bias.val().grad(&grads).unwrap().into_data(),
+            ));
         }
     }
     let expected = 3 + usize::from(config.gated) * 2 + 2; // x, up.{w,b}, gate.{w,b}, down.{w,b}
@@ -159,7 +172,10 @@ fn gradients_match_finite_differences() {
                 .with_bias_gate(gated)
                 .with_bias_down(true)
                 // Pre-activations of order one reach the nonlinear parts of every φ.
-                .with_initializer(burn::nn::Initializer::Normal { mean: 0.0, std: 0.6 });
+                .with_initializer(burn::nn::Initializer::Normal {
+                    mean: 0.0,
+                    std: 0.6,
+                });
             let worst = check(&config, &mut rng);
             println!("{activation:>10} gated={gated:<5}: largest relative error {worst:.1e}");
         }
@@ -172,7 +188,10 @@ fn gradients_match_finite_differences() {
 fn a_wrong_gradient_is_caught() {
     let device = device();
     let mut rng = Rng(7);
-    let weights = FeedForwardConfig::new(4, 8).init(&device).to_safetensors_bytes().unwrap();
+    let weights = FeedForwardConfig::new(4, 8)
+        .init(&device)
+        .to_safetensors_bytes()
+        .unwrap();
     // Without the `ffn.activation` metadata, loading keeps each module's own activation.
     let weights = strip_metadata(&weights);
     let network = |activation| {

@@ -22,11 +22,16 @@ fn tempdir(name: &str) -> PathBuf {
 fn biased(variant: Variant) -> FeedForwardConfig {
     let config = FeedForwardConfig::preset(variant, 12);
     let gated = config.gated;
-    config.with_bias_up(true).with_bias_gate(gated).with_bias_down(true)
+    config
+        .with_bias_up(true)
+        .with_bias_gate(gated)
+        .with_bias_down(true)
 }
 
 fn input(device: &Device) -> Tensor<3> {
-    let values: Vec<f32> = (0..2 * 5 * 12).map(|i| ((i * 37 % 23) as f32 - 11.0) / 7.0).collect();
+    let values: Vec<f32> = (0..2 * 5 * 12)
+        .map(|i| ((i * 37 % 23) as f32 - 11.0) / 7.0)
+        .collect();
     Tensor::from_data(TensorData::new(values, [2, 5, 12]), device)
 }
 
@@ -44,7 +49,10 @@ fn safetensors_round_trip_on_every_variant() {
             let path = dir.join(format!("{variant}.safetensors"));
             original.save_safetensors(&path).unwrap();
             let loaded = config.init(&device).load_safetensors(&path).unwrap();
-            assert_eq!(values(loaded.forward(input(&device))), values(original.forward(input(&device))));
+            assert_eq!(
+                values(loaded.forward(input(&device))),
+                values(original.forward(input(&device)))
+            );
         }
     }
 }
@@ -122,7 +130,10 @@ fn the_activation_survives_records_and_files() {
         }
     }
     swiglu.visit(&mut Keys(&mut keys, Vec::new()));
-    assert_eq!(keys, ["gate.weight", "up.weight", "down.weight", "activation"]);
+    assert_eq!(
+        keys,
+        ["gate.weight", "up.weight", "down.weight", "activation"]
+    );
 }
 
 #[test]
@@ -147,7 +158,14 @@ fn safetensors_files_use_pytorch_names_and_layout() {
     names.sort_unstable();
     assert_eq!(
         names,
-        ["down.bias", "down.weight", "gate.bias", "gate.weight", "up.bias", "up.weight"]
+        [
+            "down.bias",
+            "down.weight",
+            "gate.bias",
+            "gate.weight",
+            "up.bias",
+            "up.weight"
+        ]
     );
     let (d_model, d_ff) = (12, 32);
     for (key, shape) in [
@@ -190,7 +208,10 @@ fn half_precision_files_are_widened() {
     let file_bytes = reference.to_safetensors_bytes().unwrap();
     let file = SafeTensors::deserialize(&file_bytes).unwrap();
     for (dtype, encode) in [
-        (Dtype::F16, (|v: f32| half::f16::from_f32(v).to_le_bytes()) as fn(f32) -> [u8; 2]),
+        (
+            Dtype::F16,
+            (|v: f32| half::f16::from_f32(v).to_le_bytes()) as fn(f32) -> [u8; 2],
+        ),
         (Dtype::BF16, |v: f32| half::bf16::from_f32(v).to_le_bytes()),
     ] {
         let converted: Vec<(String, Vec<u8>, Vec<usize>)> = file
@@ -210,7 +231,13 @@ fn half_precision_files_are_widened() {
             .map(|(n, b, s)| (n.clone(), TensorView::new(dtype, s.clone(), b).unwrap()));
         let bytes = safetensors::serialize(views, None).unwrap();
         let loaded = config.init(&device).load_safetensors_bytes(&bytes).unwrap();
-        let expected: Vec<f32> = reference.up().weight.val().into_data().try_to_vec().unwrap();
+        let expected: Vec<f32> = reference
+            .up()
+            .weight
+            .val()
+            .into_data()
+            .try_to_vec()
+            .unwrap();
         let actual: Vec<f32> = loaded.up().weight.val().into_data().try_to_vec().unwrap();
         let rounded: Vec<f32> = expected
             .iter()
@@ -229,7 +256,11 @@ fn file_with(tensors: &[(&str, Vec<usize>)], int_key: Option<&str>) -> Vec<u8> {
         .iter()
         .map(|(name, shape)| {
             let n: usize = shape.iter().product();
-            let dtype = if Some(*name) == int_key { Dtype::I32 } else { Dtype::F32 };
+            let dtype = if Some(*name) == int_key {
+                Dtype::I32
+            } else {
+                Dtype::F32
+            };
             (name.to_string(), vec![0u8; 4 * n], shape.clone(), dtype)
         })
         .collect();
@@ -242,18 +273,35 @@ fn file_with(tensors: &[(&str, Vec<usize>)], int_key: Option<&str>) -> Vec<u8> {
 #[test]
 fn every_bad_file_gives_a_typed_error_naming_the_key() {
     let device = device();
-    let ungated = || FeedForwardConfig::new(4, 8).with_bias_up(true).init(&device);
-    let good = vec![("up.weight", vec![8, 4]), ("up.bias", vec![8]), ("down.weight", vec![4, 8])];
-    assert!(ungated().load_safetensors_bytes(&file_with(&good, None)).is_ok());
+    let ungated = || {
+        FeedForwardConfig::new(4, 8)
+            .with_bias_up(true)
+            .init(&device)
+    };
+    let good = vec![
+        ("up.weight", vec![8, 4]),
+        ("up.bias", vec![8]),
+        ("down.weight", vec![4, 8]),
+    ];
+    assert!(
+        ungated()
+            .load_safetensors_bytes(&file_with(&good, None))
+            .is_ok()
+    );
 
     // Missing tensor.
     let err = ungated()
         .load_safetensors_bytes(&file_with(&good[..2], None))
         .unwrap_err();
-    assert!(matches!(&err, Error::MissingTensor { key, .. } if key == "down.weight"), "{err}");
+    assert!(
+        matches!(&err, Error::MissingTensor { key, .. } if key == "down.weight"),
+        "{err}"
+    );
     // Missing bias, with a hint.
     let no_bias = vec![good[0].clone(), good[2].clone()];
-    let err = ungated().load_safetensors_bytes(&file_with(&no_bias, None)).unwrap_err();
+    let err = ungated()
+        .load_safetensors_bytes(&file_with(&no_bias, None))
+        .unwrap_err();
     assert_eq!(
         err.to_string(),
         "missing tensor `up.bias` (the file has no bias here: build the module with bias_up = false)"
@@ -261,33 +309,63 @@ fn every_bad_file_gives_a_typed_error_naming_the_key() {
     // Extra tensor: a gated file into an ungated module.
     let mut gated = good.clone();
     gated.push(("gate.weight", vec![8, 4]));
-    let err = ungated().load_safetensors_bytes(&file_with(&gated, None)).unwrap_err();
-    assert!(matches!(&err, Error::UnexpectedTensor { key, .. } if key == "gate.weight"), "{err}");
+    let err = ungated()
+        .load_safetensors_bytes(&file_with(&gated, None))
+        .unwrap_err();
+    assert!(
+        matches!(&err, Error::UnexpectedTensor { key, .. } if key == "gate.weight"),
+        "{err}"
+    );
     assert!(err.to_string().contains("gated = true"), "{err}");
     // An ungated file into a gated module.
-    let gated_module = FeedForwardConfig::new(4, 8).with_bias_up(true).with_gated(true);
+    let gated_module = FeedForwardConfig::new(4, 8)
+        .with_bias_up(true)
+        .with_gated(true);
     let err = gated_module
         .init(&device)
         .load_safetensors_bytes(&file_with(&good, None))
         .unwrap_err();
-    assert!(matches!(&err, Error::MissingTensor { key, .. } if key == "gate.weight"), "{err}");
+    assert!(
+        matches!(&err, Error::MissingTensor { key, .. } if key == "gate.weight"),
+        "{err}"
+    );
     // Wrong shape (another d_ff), in PyTorch layout.
     let mut wide = good.clone();
     wide[0].1 = vec![16, 4];
-    let err = ungated().load_safetensors_bytes(&file_with(&wide, None)).unwrap_err();
-    let Error::Shape { key, expected, actual } = &err else { panic!("{err}") };
-    assert_eq!((key.as_str(), expected.as_slice(), actual.as_slice()), ("up.weight", &[8, 4][..], &[16, 4][..]));
-    assert_eq!(err.to_string(), "tensor `up.weight` has shape [16, 4], expected [8, 4]");
+    let err = ungated()
+        .load_safetensors_bytes(&file_with(&wide, None))
+        .unwrap_err();
+    let Error::Shape {
+        key,
+        expected,
+        actual,
+    } = &err
+    else {
+        panic!("{err}")
+    };
+    assert_eq!(
+        (key.as_str(), expected.as_slice(), actual.as_slice()),
+        ("up.weight", &[8, 4][..], &[16, 4][..])
+    );
+    assert_eq!(
+        err.to_string(),
+        "tensor `up.weight` has shape [16, 4], expected [8, 4]"
+    );
     // Transposed weight (a burn-layout file) is a shape error too.
     let mut transposed = good.clone();
     transposed[0].1 = vec![4, 8];
-    let err = ungated().load_safetensors_bytes(&file_with(&transposed, None)).unwrap_err();
+    let err = ungated()
+        .load_safetensors_bytes(&file_with(&transposed, None))
+        .unwrap_err();
     assert!(matches!(err, Error::Shape { .. }));
     // Wrong dtype.
     let err = ungated()
         .load_safetensors_bytes(&file_with(&good, Some("up.bias")))
         .unwrap_err();
-    assert!(matches!(&err, Error::DType { key, dtype } if key == "up.bias" && dtype == "I32"), "{err}");
+    assert!(
+        matches!(&err, Error::DType { key, dtype } if key == "up.bias" && dtype == "I32"),
+        "{err}"
+    );
     // Truncated file.
     let bytes = file_with(&good, None);
     for cut in [bytes.len() - 1, bytes.len() / 2, 10, 3, 0] {
@@ -295,23 +373,40 @@ fn every_bad_file_gives_a_typed_error_naming_the_key() {
         assert!(matches!(err, Error::Corrupt { .. }), "cut at {cut}: {err}");
     }
     // Not a safetensors file at all.
-    let err = ungated().load_safetensors_bytes(b"PK\x03\x04 a zip file").unwrap_err();
+    let err = ungated()
+        .load_safetensors_bytes(b"PK\x03\x04 a zip file")
+        .unwrap_err();
     assert!(matches!(err, Error::Corrupt { .. }), "{err}");
     // Unknown activation in our metadata.
     let file = SafeTensors::deserialize(&bytes).unwrap();
     let metadata = [("ffn.activation".to_string(), "gleu".to_string())].into();
     let with_metadata = safetensors::serialize(file.tensors(), Some(metadata)).unwrap();
-    let err = ungated().load_safetensors_bytes(&with_metadata).unwrap_err();
-    assert!(matches!(&err, Error::Metadata(name) if name == "gleu"), "{err}");
+    let err = ungated()
+        .load_safetensors_bytes(&with_metadata)
+        .unwrap_err();
+    assert!(
+        matches!(&err, Error::Metadata(name) if name == "gleu"),
+        "{err}"
+    );
     // No such file.
-    let err = ungated().load_safetensors("/nonexistent/ffn.safetensors").unwrap_err();
-    assert!(matches!(&err, Error::Io { path, .. } if path.ends_with("ffn.safetensors")), "{err}");
+    let err = ungated()
+        .load_safetensors("/nonexistent/ffn.safetensors")
+        .unwrap_err();
+    assert!(
+        matches!(&err, Error::Io { path, .. } if path.ends_with("ffn.safetensors")),
+        "{err}"
+    );
 }
 
 #[test]
 fn a_file_without_metadata_keeps_the_module_activation() {
     let device = device();
-    let bytes = strip_metadata(&FeedForwardConfig::new(4, 8).init(&device).to_safetensors_bytes().unwrap());
+    let bytes = strip_metadata(
+        &FeedForwardConfig::new(4, 8)
+            .init(&device)
+            .to_safetensors_bytes()
+            .unwrap(),
+    );
     let loaded = FeedForwardConfig::new(4, 8)
         .with_activation(Activation::Tanh)
         .init(&device)
@@ -329,9 +424,15 @@ fn saving_is_atomic_and_never_loses_a_file() {
     let second = FeedForwardConfig::new(4, 8).init(&device);
     first.save_safetensors(&path).unwrap();
     second.save_safetensors(&path).unwrap();
-    assert_eq!(fs::read(&path).unwrap(), second.to_safetensors_bytes().unwrap());
+    assert_eq!(
+        fs::read(&path).unwrap(),
+        second.to_safetensors_bytes().unwrap()
+    );
     // Nothing but the file is left behind.
-    let entries: Vec<_> = fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name()).collect();
+    let entries: Vec<_> = fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
     assert_eq!(entries, [std::ffi::OsString::from("ffn.safetensors")]);
 
     // A save that cannot complete leaves what was there.
@@ -341,15 +442,22 @@ fn saving_is_atomic_and_never_loses_a_file() {
     let err = first.save_safetensors(&occupied).unwrap_err();
     assert!(matches!(err, Error::Io { .. }), "{err}");
     assert_eq!(fs::read_to_string(occupied.join("keep")).unwrap(), "data");
-    let err = first.save_safetensors(dir.join("missing/ffn.safetensors")).unwrap_err();
+    let err = first
+        .save_safetensors(dir.join("missing/ffn.safetensors"))
+        .unwrap_err();
     assert!(matches!(err, Error::Io { .. }), "{err}");
-    assert_eq!(fs::read(&path).unwrap(), second.to_safetensors_bytes().unwrap());
+    assert_eq!(
+        fs::read(&path).unwrap(),
+        second.to_safetensors_bytes().unwrap()
+    );
 }
 
 #[test]
 fn loading_keeps_the_device_and_gradients() {
     let device = device();
-    let ffn = FeedForwardConfig::new(4, 8).with_bias_up(true).init(&device);
+    let ffn = FeedForwardConfig::new(4, 8)
+        .with_bias_up(true)
+        .init(&device);
     let bytes = ffn.to_safetensors_bytes().unwrap();
     let loaded: FeedForward = FeedForwardConfig::new(4, 8)
         .with_bias_up(true)
@@ -360,6 +468,15 @@ fn loading_keeps_the_device_and_gradients() {
     let x = Tensor::<2>::ones([3, 4], &device);
     let grads = loaded.forward(x).sum().backward();
     assert!(loaded.up().weight.val().grad(&grads).is_some());
-    assert!(loaded.up().bias.as_ref().unwrap().val().grad(&grads).is_some());
+    assert!(
+        loaded
+            .up()
+            .bias
+            .as_ref()
+            .unwrap()
+            .val()
+            .grad(&grads)
+            .is_some()
+    );
     assert!(loaded.down().weight.val().grad(&grads).is_some());
 }
