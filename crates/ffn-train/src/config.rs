@@ -1,0 +1,624 @@
+//! # Run configuration
+//!
+//! A run is described by one TOML file (see `configs/`): the seed, the `[task]` (what data, with
+//! which known optimum), the `[model]` (which network, with which FFN) and the `[train]`
+//! settings (optimiser, schedule, evaluation and checkpoints). Every key has a default but the
+//! task and model kinds, a misspelt key is an error, and `--set key=value` overrides any key
+//! from the command line (`--set train.steps=500 --set model.ffn.preset=GEGLU`).
+
+use std::path::{Path, PathBuf};
+
+use burn::nn::Initializer;
+use ffn_model::{Activation, DropoutAt, FeedForwardConfig, Variant};
+use serde::{Deserialize, Serialize};
+
+use crate::{Error, Result};
+
+/// Everything a run needs, as read from its TOML file.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TrainConfig {
+    /// The seed of every random stream of the run (see [`crate::rng`]).
+    #[serde(default = "default_seed")]
+    pub seed: u64,
+    /// The data and its known optimum.
+    pub task: TaskConfig,
+    /// The network trained on it.
+    pub model: ModelConfig,
+    /// Optimiser, schedule, evaluation and checkpoints.
+    #[serde(default)]
+    pub train: TrainSettings,
+}
+
+fn default_seed() -> u64 {
+    1
+}
+
+/// The task: where batches come from, and the best loss any model can reach on them.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum TaskConfig {
+    /// Language modelling on a random sparse order-k Markov chain (exact entropy rate).
+    Markov(MarkovConfig),
+    /// Language modelling on a text file the user points at (no known optimum).
+    Text(TextConfig),
+    /// Regression on a frozen random teacher FFN plus Gaussian noise (optimal MSE = σ²).
+    Teacher(TeacherConfig),
+    /// Regression on a smooth multi-output map `y = sin(A x + b)` plus noise (optimal MSE = σ²).
+    Sine(SineConfig),
+}
+
+/// See [`crate::data::MarkovSource`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MarkovConfig {
+    /// Number of symbols `V` (at most 62: they print as `a`–`z`, `A`–`Z`, `0`–`9`).
+    pub vocab_size: usize,
+    /// Order `k`: the next symbol depends on the last `k`.
+    pub order: usize,
+    /// Symbols with large probability after each context.
+    pub support: usize,
+    /// Probability mass spread uniformly over all symbols, keeping the chain ergodic.
+    pub smoothing: f64,
+    /// Tokens per training sequence.
+    pub seq_len: usize,
+}
+
+impl Default for MarkovConfig {
+    fn default() -> Self {
+        Self {
+            vocab_size: 16,
+            order: 2,
+            support: 3,
+            smoothing: 0.02,
+            seq_len: 64,
+        }
+    }
+}
+
+/// Tokenisation of a text file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TextLevel {
+    /// One token per byte (256 symbols): any file.
+    #[default]
+    Byte,
+    /// One token per Unicode character present in the file: UTF-8 files only.
+    Char,
+}
+
+/// See [`crate::data::TextCorpus`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TextConfig {
+    /// The file.
+    pub path: PathBuf,
+    /// Bytes or characters.
+    #[serde(default)]
+    pub level: TextLevel,
+    /// The last part of the file held out for validation.
+    #[serde(default = "default_valid_fraction")]
+    pub valid_fraction: f64,
+    /// Tokens per training sequence.
+    #[serde(default = "default_seq_len")]
+    pub seq_len: usize,
+}
+
+fn default_valid_fraction() -> f64 {
+    0.1
+}
+
+fn default_seq_len() -> usize {
+    64
+}
+
+/// See [`crate::data::Regression`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TeacherConfig {
+    /// Standard deviation σ of the label noise.
+    pub noise: f64,
+    /// The teacher's FFN (default: the student's), at the student's `d_model`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub teacher: Option<FfnSpec>,
+    /// Scale of the teacher's weights: `N(0, gain²/fan_in)`, so outputs are of order one.
+    pub teacher_gain: f64,
+}
+
+impl Default for TeacherConfig {
+    fn default() -> Self {
+        Self {
+            noise: 0.1,
+            teacher: None,
+            teacher_gain: 1.0,
+        }
+    }
+}
+
+/// See [`crate::data::Regression`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SineConfig {
+    /// Standard deviation σ of the label noise.
+    pub noise: f64,
+    /// Scale of `A`: the map's frequency.
+    pub frequency: f64,
+}
+
+impl Default for SineConfig {
+    fn default() -> Self {
+        Self {
+            noise: 0.1,
+            frequency: 1.0,
+        }
+    }
+}
+
+/// The network.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum ModelConfig {
+    /// A decoder-only transformer (language tasks).
+    Transformer(TransformerConfig),
+    /// An FFN over a fixed window of previous tokens (language tasks).
+    Window(WindowConfig),
+    /// A bare FFN, `d_model → d_model` (regression tasks).
+    Ffn(FfnModelConfig),
+}
+
+/// See [`crate::model::TransformerLm`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TransformerConfig {
+    /// Residual width.
+    pub d_model: usize,
+    /// Blocks.
+    pub n_layers: usize,
+    /// Attention heads per block.
+    pub n_heads: usize,
+    /// Dropout on the attention weights.
+    pub attention_dropout: f64,
+    /// The FFN of every block.
+    pub ffn: FfnSpec,
+}
+
+impl Default for TransformerConfig {
+    fn default() -> Self {
+        Self {
+            d_model: 64,
+            n_layers: 2,
+            n_heads: 4,
+            attention_dropout: 0.0,
+            ffn: FfnSpec::default(),
+        }
+    }
+}
+
+/// See [`crate::model::WindowLm`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct WindowConfig {
+    /// Previous tokens seen (including the current one).
+    pub window: usize,
+    /// Embedding width per token.
+    pub d_embed: usize,
+    /// Width of the FFN's input and output.
+    pub d_model: usize,
+    /// The FFN.
+    pub ffn: FfnSpec,
+}
+
+impl Default for WindowConfig {
+    fn default() -> Self {
+        Self {
+            window: 4,
+            d_embed: 16,
+            d_model: 64,
+            ffn: FfnSpec::default(),
+        }
+    }
+}
+
+/// A bare FFN for regression.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct FfnModelConfig {
+    /// Input and output width.
+    pub d_model: usize,
+    /// The FFN.
+    pub ffn: FfnSpec,
+}
+
+impl Default for FfnModelConfig {
+    fn default() -> Self {
+        Self {
+            d_model: 16,
+            ffn: FfnSpec::default(),
+        }
+    }
+}
+
+/// An FFN given relative to the `d_model` of the model that holds it: a preset, and/or explicit
+/// fields of [`FeedForwardConfig`] that override it.
+///
+/// ```toml
+/// ffn = { preset = "SwiGLU" }                          # d_ff = round(8/3 · d_model)
+/// ffn = { preset = "SwiGLU", multiple_of = 64 }        # rounded up, LLaMA style
+/// ffn = { d_ff = 256, activation = "gelu_new", bias = true, dropout = 0.1 }
+/// ```
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FfnSpec {
+    /// A Shazeer (2020) variant at parameter parity.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub preset: Option<Variant>,
+    /// Round `d_ff` up to a multiple of this.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub multiple_of: Option<usize>,
+    /// Hidden width (default: the preset's, else `4 · d_model`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub d_ff: Option<usize>,
+    /// Activation (default: the preset's, else GELU).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub activation: Option<Activation>,
+    /// Gating (default: the preset's, else off).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gated: Option<bool>,
+    /// Biases on every projection there is (default off).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bias: Option<bool>,
+    /// Bias of `up` (overrides `bias`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bias_up: Option<bool>,
+    /// Bias of `gate` (overrides `bias`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bias_gate: Option<bool>,
+    /// Bias of `down` (overrides `bias`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bias_down: Option<bool>,
+    /// Dropout probability (default 0).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dropout: Option<f64>,
+    /// Where dropout applies (default: the hidden layer).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dropout_at: Option<DropoutAt>,
+    /// Weight initialisation (default: PyTorch's `nn.Linear`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub initializer: Option<Initializer>,
+}
+
+impl FfnSpec {
+    /// The spec of a preset.
+    pub fn preset(variant: Variant) -> Self {
+        Self {
+            preset: Some(variant),
+            ..Self::default()
+        }
+    }
+
+    /// The [`FeedForwardConfig`] this spec means at `d_model`; `context` names the table in
+    /// errors (`model.ffn`).
+    pub fn resolve(&self, d_model: usize, context: &str) -> Result<FeedForwardConfig> {
+        let ffn_error = |source| Error::Ffn {
+            context: context.to_string(),
+            source,
+        };
+        let mut config = match self.preset {
+            Some(variant) => FeedForwardConfig::preset(variant, d_model),
+            None => FeedForwardConfig::new(d_model, 4 * d_model),
+        };
+        match (self.d_ff, self.multiple_of) {
+            (Some(_), Some(_)) => {
+                return Err(Error::Config(format!(
+                    "{context}: give `d_ff` or `multiple_of`, not both"
+                )));
+            }
+            (Some(d_ff), None) => config.d_ff = d_ff,
+            (None, Some(0)) => {
+                return Err(ffn_error(ffn_model::ConfigError::ZeroSize {
+                    field: "multiple_of",
+                }));
+            }
+            (None, Some(multiple)) => config.d_ff = config.d_ff.div_ceil(multiple) * multiple,
+            (None, None) => {}
+        }
+        if let Some(activation) = self.activation {
+            config.activation = activation;
+        }
+        if let Some(gated) = self.gated {
+            config.gated = gated;
+        }
+        if let Some(bias) = self.bias {
+            config.bias_up = bias;
+            config.bias_gate = bias && config.gated;
+            config.bias_down = bias;
+        }
+        config.bias_up = self.bias_up.unwrap_or(config.bias_up);
+        config.bias_gate = self.bias_gate.unwrap_or(config.bias_gate);
+        config.bias_down = self.bias_down.unwrap_or(config.bias_down);
+        config.dropout = self.dropout.unwrap_or(config.dropout);
+        config.dropout_at = self.dropout_at.unwrap_or(config.dropout_at);
+        if let Some(initializer) = &self.initializer {
+            config.initializer = initializer.clone();
+        }
+        config.validate().map_err(ffn_error)?;
+        Ok(config)
+    }
+}
+
+/// Optimiser, schedule, evaluation and checkpoints.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TrainSettings {
+    /// Optimiser steps.
+    pub steps: usize,
+    /// Sequences (language) or samples (regression) per step.
+    pub batch_size: usize,
+    /// Peak learning rate.
+    pub lr: f64,
+    /// Learning rate at the end of the cosine decay.
+    pub min_lr: f64,
+    /// Steps of linear warm-up from 0 to `lr`.
+    pub warmup_steps: usize,
+    /// AdamW's decoupled weight decay.
+    pub weight_decay: f64,
+    /// AdamW's β₁.
+    pub beta1: f64,
+    /// AdamW's β₂.
+    pub beta2: f64,
+    /// Clip the global gradient norm to this (0: no clipping).
+    pub grad_clip: f64,
+    /// Evaluate every this many steps (and at the last).
+    pub eval_every: usize,
+    /// Validation batches per evaluation.
+    pub eval_batches: usize,
+    /// Record the training loss every this many steps.
+    pub log_every: usize,
+    /// Write a checkpoint every this many steps (and at the last).
+    pub checkpoint_every: usize,
+    /// Checkpoints kept: older ones are deleted.
+    pub keep_checkpoints: usize,
+}
+
+impl Default for TrainSettings {
+    fn default() -> Self {
+        Self {
+            steps: 1000,
+            batch_size: 32,
+            lr: 3e-3,
+            min_lr: 3e-4,
+            warmup_steps: 50,
+            weight_decay: 0.01,
+            beta1: 0.9,
+            beta2: 0.99,
+            grad_clip: 1.0,
+            eval_every: 100,
+            eval_batches: 8,
+            log_every: 10,
+            checkpoint_every: 250,
+            keep_checkpoints: 3,
+        }
+    }
+}
+
+impl TrainConfig {
+    /// Reads a TOML config file and applies `--set key=value` overrides.
+    pub fn load(path: &Path, overrides: &[String]) -> Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(Error::io(path))?;
+        Self::from_toml(&text, overrides)
+            .map_err(|e| Error::Config(format!("{}: {e}", path.display())))
+    }
+
+    /// Parses TOML, applies overrides, validates.
+    pub fn from_toml(text: &str, overrides: &[String]) -> Result<Self> {
+        let mut table: toml::Table =
+            toml::from_str(text).map_err(|e| Error::Config(e.to_string().trim().to_string()))?;
+        for assignment in overrides {
+            apply_override(&mut table, assignment)?;
+        }
+        let config: Self = table
+            .try_into()
+            .map_err(|e: toml::de::Error| Error::Config(e.to_string().trim().to_string()))?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// The config as TOML, every default written out.
+    pub fn to_toml(&self) -> String {
+        toml::to_string(self).expect("a TrainConfig is representable in TOML")
+    }
+
+    /// The model's FFN, resolved.
+    pub fn ffn(&self) -> Result<FeedForwardConfig> {
+        let (spec, d_model) = match &self.model {
+            ModelConfig::Transformer(m) => (&m.ffn, m.d_model),
+            ModelConfig::Window(m) => (&m.ffn, m.d_model),
+            ModelConfig::Ffn(m) => (&m.ffn, m.d_model),
+        };
+        spec.resolve(d_model, "model.ffn")
+    }
+
+    /// Checks every value and the pairing of task and model.
+    pub fn validate(&self) -> Result<()> {
+        let fail = |message: String| Err(Error::Config(message));
+        let positive = |name: &str, value: usize| {
+            if value == 0 {
+                fail(format!("{name} must be at least 1"))
+            } else {
+                Ok(())
+            }
+        };
+        let probability = |name: &str, value: f64| {
+            if value.is_finite() && (0.0..1.0).contains(&value) {
+                Ok(())
+            } else {
+                fail(format!("{name} must be in [0, 1), got {value}"))
+            }
+        };
+        let language = match &self.task {
+            TaskConfig::Markov(m) => {
+                if !(2..=crate::data::MARKOV_ALPHABET.len()).contains(&m.vocab_size) {
+                    return fail(format!(
+                        "task.vocab_size must be in 2..={}, got {}",
+                        crate::data::MARKOV_ALPHABET.len(),
+                        m.vocab_size
+                    ));
+                }
+                positive("task.order", m.order)?;
+                if (m.vocab_size as f64).powi(m.order as i32) > (1u64 << 20) as f64 {
+                    return fail(format!(
+                        "task.vocab_size^task.order = {}^{} contexts is too many (at most 2^20)",
+                        m.vocab_size, m.order
+                    ));
+                }
+                if !(1..=m.vocab_size).contains(&m.support) {
+                    return fail(format!(
+                        "task.support must be in 1..=vocab_size ({}), got {}",
+                        m.vocab_size, m.support
+                    ));
+                }
+                probability("task.smoothing", m.smoothing)?;
+                if m.smoothing == 0.0 && m.support < m.vocab_size {
+                    return fail(
+                        "task.smoothing must be positive when support < vocab_size, so that the chain is ergodic"
+                            .to_string(),
+                    );
+                }
+                positive("task.seq_len", m.seq_len)?;
+                true
+            }
+            TaskConfig::Text(t) => {
+                if !(t.valid_fraction > 0.0 && t.valid_fraction < 1.0) {
+                    return fail(format!(
+                        "task.valid_fraction must be in (0, 1), got {}",
+                        t.valid_fraction
+                    ));
+                }
+                positive("task.seq_len", t.seq_len)?;
+                true
+            }
+            TaskConfig::Teacher(t) => {
+                if !(t.noise.is_finite() && t.noise >= 0.0) {
+                    return fail(format!("task.noise must be ≥ 0, got {}", t.noise));
+                }
+                if !(t.teacher_gain.is_finite() && t.teacher_gain > 0.0) {
+                    return fail(format!(
+                        "task.teacher_gain must be > 0, got {}",
+                        t.teacher_gain
+                    ));
+                }
+                false
+            }
+            TaskConfig::Sine(s) => {
+                if !(s.noise.is_finite() && s.noise >= 0.0) {
+                    return fail(format!("task.noise must be ≥ 0, got {}", s.noise));
+                }
+                false
+            }
+        };
+        match (&self.model, language) {
+            (ModelConfig::Transformer(m), true) => {
+                positive("model.d_model", m.d_model)?;
+                positive("model.n_layers", m.n_layers)?;
+                positive("model.n_heads", m.n_heads)?;
+                if m.d_model % m.n_heads != 0 {
+                    return fail(format!(
+                        "model.d_model ({}) must be a multiple of model.n_heads ({})",
+                        m.d_model, m.n_heads
+                    ));
+                }
+                probability("model.attention_dropout", m.attention_dropout)?;
+            }
+            (ModelConfig::Window(m), true) => {
+                positive("model.window", m.window)?;
+                positive("model.d_embed", m.d_embed)?;
+                positive("model.d_model", m.d_model)?;
+            }
+            (ModelConfig::Ffn(m), false) => positive("model.d_model", m.d_model)?,
+            (_, true) => {
+                return fail(
+                    "a language task needs model.kind = \"transformer\" or \"window\"".to_string(),
+                );
+            }
+            (_, false) => {
+                return fail("a regression task needs model.kind = \"ffn\"".to_string());
+            }
+        }
+        self.ffn()?;
+        if let (TaskConfig::Teacher(t), ModelConfig::Ffn(m)) = (&self.task, &self.model) {
+            if let Some(spec) = &t.teacher {
+                spec.resolve(m.d_model, "task.teacher")?;
+            }
+        }
+
+        let t = &self.train;
+        positive("train.steps", t.steps)?;
+        positive("train.batch_size", t.batch_size)?;
+        positive("train.eval_every", t.eval_every)?;
+        positive("train.eval_batches", t.eval_batches)?;
+        positive("train.log_every", t.log_every)?;
+        positive("train.checkpoint_every", t.checkpoint_every)?;
+        positive("train.keep_checkpoints", t.keep_checkpoints)?;
+        if !(t.lr.is_finite() && t.lr > 0.0) {
+            return fail(format!("train.lr must be > 0, got {}", t.lr));
+        }
+        if !(t.min_lr.is_finite() && t.min_lr >= 0.0 && t.min_lr <= t.lr) {
+            return fail(format!(
+                "train.min_lr must be in [0, lr = {}], got {}",
+                t.lr, t.min_lr
+            ));
+        }
+        if t.warmup_steps > t.steps {
+            return fail(format!(
+                "train.warmup_steps ({}) must not exceed train.steps ({})",
+                t.warmup_steps, t.steps
+            ));
+        }
+        probability("train.beta1", t.beta1)?;
+        probability("train.beta2", t.beta2)?;
+        if !(t.weight_decay.is_finite() && t.weight_decay >= 0.0) {
+            return fail(format!(
+                "train.weight_decay must be ≥ 0, got {}",
+                t.weight_decay
+            ));
+        }
+        if !(t.grad_clip.is_finite() && t.grad_clip >= 0.0) {
+            return fail(format!("train.grad_clip must be ≥ 0, got {}", t.grad_clip));
+        }
+        Ok(())
+    }
+}
+
+/// Applies `a.b.c=value` to a TOML table. The value is read as TOML (`500`, `0.1`, `true`,
+/// `"x"`, `{ preset = "GEGLU" }`) and otherwise taken as a string (`GEGLU`).
+pub fn apply_override(table: &mut toml::Table, assignment: &str) -> Result<()> {
+    let (key, value) = assignment
+        .split_once('=')
+        .ok_or_else(|| Error::Override(format!("`{assignment}`: expected key=value")))?;
+    let (key, value) = (key.trim(), value.trim());
+    let value: toml::Value = toml::from_str::<toml::Table>(&format!("v = {value}"))
+        .ok()
+        .and_then(|mut t| t.remove("v"))
+        .unwrap_or_else(|| toml::Value::String(value.to_string()));
+    let parts: Vec<&str> = key.split('.').collect();
+    if parts.iter().any(|p| p.is_empty()) {
+        return Err(Error::Override(format!(
+            "`{assignment}`: empty key segment"
+        )));
+    }
+    let (last, path) = parts.split_last().expect("split yields one part");
+    let mut current = table;
+    for (i, part) in path.iter().enumerate() {
+        let entry = current
+            .entry(part.to_string())
+            .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+        current = entry.as_table_mut().ok_or_else(|| {
+            Error::Override(format!(
+                "`{assignment}`: `{}` is not a table",
+                parts[..=i].join(".")
+            ))
+        })?;
+    }
+    current.insert(last.to_string(), value);
+    Ok(())
+}

@@ -1,0 +1,251 @@
+//! `ffn-train`: train, resume, evaluate and sample FFN models from the command line.
+//!
+//! Errors print as one line, `error: …`, and exit with status 1 (2 for a bad command line).
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand, ValueEnum};
+use ffn_train::config::TextLevel;
+use ffn_train::inference::{self, SampleOptions};
+use ffn_train::metrics::{self, Progress, Summary};
+use ffn_train::training::describe;
+use ffn_train::{DEFAULT_CONFIG, Result, TrainConfig, Trainer, backend};
+
+#[derive(Parser)]
+#[command(
+    name = "ffn-train",
+    version,
+    about = "Train transformer feed-forward networks on tasks with a known optimum"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Start a run.
+    Train {
+        /// The run's TOML config (default: the built-in configs/default.toml).
+        #[arg(long)]
+        config: Option<PathBuf>,
+        /// Override a config key, e.g. --set train.steps=500 (repeatable).
+        #[arg(long = "set", value_name = "KEY=VALUE")]
+        set: Vec<String>,
+        /// Train a language model on this text file instead of the config's task.
+        #[arg(long)]
+        text: Option<PathBuf>,
+        /// Tokenisation of --text.
+        #[arg(long, value_enum, default_value_t = Level::Byte, requires = "text")]
+        level: Level,
+        /// The run folder (default: runs/<config name>, numbered if taken).
+        #[arg(long)]
+        run: Option<PathBuf>,
+        /// Backend device (see --help of the binary for those compiled in).
+        #[arg(long)]
+        device: Option<String>,
+    },
+    /// Continue a run from its newest checkpoint.
+    Resume {
+        /// The run folder.
+        run: PathBuf,
+        #[arg(long)]
+        device: Option<String>,
+    },
+    /// Evaluate the newest checkpoint of a run on its validation data.
+    Eval {
+        /// The run folder.
+        run: PathBuf,
+        /// Validation batches.
+        #[arg(long, default_value_t = 16)]
+        batches: usize,
+        #[arg(long)]
+        device: Option<String>,
+    },
+    /// Generate text with the newest checkpoint of a language-model run.
+    Sample {
+        /// The run folder.
+        run: PathBuf,
+        /// Text to continue.
+        #[arg(long, default_value = "")]
+        prompt: String,
+        /// Tokens to generate.
+        #[arg(long, default_value_t = 200)]
+        tokens: usize,
+        /// Softmax temperature (0: always the most likely token).
+        #[arg(long, default_value_t = 1.0)]
+        temperature: f64,
+        /// Sample among the k most likely tokens only.
+        #[arg(long)]
+        top_k: Option<usize>,
+        /// Seed of the sampling.
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        #[arg(long)]
+        device: Option<String>,
+    },
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum Level {
+    Byte,
+    Char,
+}
+
+fn main() -> ExitCode {
+    match run(Cli::parse()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("error: {err}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// `runs/<name>`, or `runs/<name>-2`, `-3`, … if taken.
+fn fresh_run_folder(name: &str) -> PathBuf {
+    let base = Path::new("runs").join(name);
+    (1..)
+        .map(|i| match i {
+            1 => base.clone(),
+            i => PathBuf::from(format!("{}-{i}", base.display())),
+        })
+        .find(|p| !p.exists())
+        .expect("some suffix is free")
+}
+
+fn run(cli: Cli) -> Result<()> {
+    match cli.command {
+        Command::Train {
+            config,
+            mut set,
+            text,
+            level,
+            run,
+            device,
+        } => {
+            if let Some(path) = &text {
+                let level = match level {
+                    Level::Byte => TextLevel::Byte,
+                    Level::Char => TextLevel::Char,
+                };
+                let level = toml::Value::try_from(level).expect("level serialises");
+                let path = toml::Value::String(path.display().to_string());
+                set.insert(
+                    0,
+                    format!("task = {{ kind = \"text\", path = {path}, level = {level} }}"),
+                );
+            }
+            let (config, name) = match &config {
+                Some(path) => (
+                    TrainConfig::load(path, &set)?,
+                    path.file_stem()
+                        .map_or("run".into(), |s| s.to_string_lossy().into_owned()),
+                ),
+                None => (
+                    TrainConfig::from_toml(DEFAULT_CONFIG, &set)?,
+                    "default".to_string(),
+                ),
+            };
+            let name = if text.is_some() {
+                format!("{name}-text")
+            } else {
+                name
+            };
+            let folder = run.unwrap_or_else(|| fresh_run_folder(&name));
+            let device = backend::device(device.as_deref())?;
+            let trainer = Trainer::start(config, &folder, &device)?;
+            announce(&trainer, &device, "training");
+            report(
+                &trainer.folder().to_path_buf(),
+                trainer.run(&Progress::auto(0))?,
+            )
+        }
+        Command::Resume { run, device } => {
+            let device = backend::device(device.as_deref())?;
+            let trainer = Trainer::resume(&run, &device)?;
+            announce(
+                &trainer,
+                &device,
+                &format!("resuming at step {}", trainer.step()),
+            );
+            report(&run, trainer.run(&Progress::auto(0))?)
+        }
+        Command::Eval {
+            run,
+            batches,
+            device,
+        } => {
+            let device = backend::device(device.as_deref())?;
+            let e = inference::evaluate_run(&run, &device, batches)?;
+            print!(
+                "{}: step {}, validation loss {:.4} over {batches} batches",
+                e.checkpoint.display(),
+                e.step,
+                e.loss
+            );
+            match e.optimal_loss {
+                Some(o) => println!(", optimum {o:.4}, gap {:+.4}", e.loss - o),
+                None => println!(),
+            }
+            Ok(())
+        }
+        Command::Sample {
+            run,
+            prompt,
+            tokens,
+            temperature,
+            top_k,
+            seed,
+            device,
+        } => {
+            let device = backend::device(device.as_deref())?;
+            let options = SampleOptions {
+                prompt: prompt.clone(),
+                tokens,
+                temperature,
+                top_k,
+                seed,
+            };
+            let text = inference::sample(&run, &device, &options)?;
+            println!("{prompt}{text}");
+            Ok(())
+        }
+    }
+}
+
+fn announce(trainer: &Trainer, device: &burn::tensor::Device, what: &str) {
+    let config = trainer.config();
+    println!("{what}: {}", describe(config));
+    println!(
+        "run folder {} | device {device:?} | {} steps of {} | optimum {}",
+        trainer.folder().display(),
+        config.train.steps,
+        config.train.batch_size,
+        trainer
+            .optimal_loss()
+            .map_or("unknown".into(), |o| format!("{o:.4}")),
+    );
+}
+
+fn report(run: &Path, s: Summary) -> Result<()> {
+    let fmt = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.4}"));
+    println!(
+        "done: {} steps in {} | train {} | valid {} (best {} at step {}) | optimum {} | gap {} | {:.0} tokens/s",
+        s.steps,
+        metrics::duration(s.wall_time_s),
+        fmt(s.final_train_loss),
+        fmt(s.final_valid_loss),
+        fmt(s.best_valid_loss),
+        s.best_valid_step.map_or("-".into(), |v| v.to_string()),
+        fmt(s.optimal_loss),
+        s.final_gap.map_or("-".to_string(), |g| format!("{g:+.4}")),
+        s.tokens_per_s,
+    );
+    println!(
+        "wrote {0}/summary.json, {0}/metrics.jsonl, {0}/metrics.csv, {0}/loss.svg, {0}/checkpoints/",
+        run.display()
+    );
+    Ok(())
+}

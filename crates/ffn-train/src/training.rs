@@ -1,0 +1,535 @@
+//! # The training loop
+//!
+//! A lean loop rather than burn-train's `Learner`: the Learner checkpoints per epoch (these
+//! tasks are infinite streams), clips each gradient separately (we clip the global norm, as
+//! PyTorch's `clip_grad_norm_`), has no notion of a known optimum, and prints a raw debug line
+//! per batch when stdout is not a terminal. The loop is:
+//!
+//! ```text
+//! for step in start..steps:
+//!     seed burn's device RNG from (seed, step)          # dropout: reproducible, resumable
+//!     batch ← task.train_batch(seed, step)              # a function of (seed, step)
+//!     L ← model.loss(batch);  stop if L is NaN or ±∞
+//!     g ← ∇L;  g ← g · min(1, clip / ‖g‖₂)              # global-norm clipping
+//!     θ ← AdamW(θ, g, lr(step))                         # warm-up, then cosine decay
+//!     log / evaluate / checkpoint on their schedules
+//! ```
+//!
+//! With every random draw a function of `(seed, step)` and checkpoints holding the model, the
+//! optimiser and the partial logging state, a resumed run continues exactly as the
+//! uninterrupted run would have on CPU.
+//!
+//! burn's random number generator (weights, dropout masks) belongs to the device and is shared
+//! by every thread of the process: for reproducible runs, train one run at a time per process.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::optim::{AdamWConfig, GradientsParams, ModuleOptimizer};
+use burn::tensor::{Device, Tensor};
+
+use crate::checkpoint::{self, RngState, State};
+use crate::config::{TaskConfig, TrainConfig, TrainSettings};
+use crate::data::{Batch, Task};
+use crate::metrics::{self, Metrics, Progress, Record, Summary};
+use crate::model::Model;
+use crate::rng::Rng;
+use crate::{Error, Result};
+
+/// The learning rate after `step` completed steps: linear warm-up from `lr / warmup` to `lr`
+/// over `warmup_steps`, then cosine decay to `min_lr` at the last step.
+pub fn learning_rate(t: &TrainSettings, step: usize) -> f64 {
+    if step < t.warmup_steps {
+        return t.lr * (step + 1) as f64 / t.warmup_steps as f64;
+    }
+    let decay_steps = (t.steps - t.warmup_steps).max(1) as f64;
+    let progress = ((step - t.warmup_steps) as f64 / decay_steps).min(1.0);
+    t.min_lr + 0.5 * (t.lr - t.min_lr) * (1.0 + (std::f64::consts::PI * progress).cos())
+}
+
+/// `Σ ‖g‖²` over the module's parameters.
+struct SquaredNorm<'a> {
+    grads: &'a GradientsParams,
+    total: Option<Tensor<1>>,
+}
+
+impl ModuleVisitor for SquaredNorm<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        if let Some(g) = self.grads.get::<D>(param.id) {
+            let s = g.square().sum();
+            self.total = Some(match self.total.take() {
+                Some(t) => t + s,
+                None => s,
+            });
+        }
+    }
+}
+
+/// Initialises every (lazily initialised) parameter.
+struct Materialize;
+
+impl ModuleVisitor for Materialize {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        let _ = param.val();
+    }
+}
+
+/// Multiplies every gradient by a factor.
+struct Scale<'a> {
+    grads: &'a mut GradientsParams,
+    factor: f64,
+}
+
+impl ModuleVisitor for Scale<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        if let Some(g) = self.grads.remove::<D>(param.id) {
+            self.grads.register(param.id, g * self.factor);
+        }
+    }
+}
+
+/// Clips the global gradient norm to `max_norm` (no-op for 0); returns the norm before.
+pub fn clip_global_norm(model: &Model, grads: &mut GradientsParams, max_norm: f64) -> f64 {
+    let mut norm = SquaredNorm { grads, total: None };
+    model.visit(&mut norm);
+    let norm = norm.total.map_or(0.0, |t| t.into_scalar::<f64>().sqrt());
+    if max_norm > 0.0 && norm > max_norm {
+        model.visit(&mut Scale {
+            grads,
+            factor: max_norm / norm,
+        });
+    }
+    norm
+}
+
+/// The mean loss of a model over batches (validation mode, no autodiff).
+pub fn evaluate(model: &Model, batches: &[Batch]) -> f64 {
+    let model = model.valid();
+    let total: f64 = batches
+        .iter()
+        .map(|b| model.loss(b).into_scalar::<f64>())
+        .sum();
+    total / batches.len() as f64
+}
+
+/// Writes `bytes` to a temporary file beside `path`, syncs it, and renames it over `path`.
+pub fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
+    let tmp = path.with_file_name(format!(
+        ".{}.tmp",
+        path.file_name()
+            .map_or("file".into(), |n| n.to_string_lossy())
+    ));
+    let result = (|| {
+        fs::write(&tmp, bytes)?;
+        fs::File::open(&tmp)?.sync_all()?;
+        fs::rename(&tmp, path)
+    })();
+    if result.is_err() {
+        let _ = fs::remove_file(&tmp);
+    }
+    result.map_err(Error::io(path))
+}
+
+fn optimizer(t: &TrainSettings) -> ModuleOptimizer {
+    AdamWConfig::new()
+        .with_beta_1(t.beta1 as f32)
+        .with_beta_2(t.beta2 as f32)
+        .with_epsilon(1e-8)
+        .with_weight_decay(t.weight_decay as f32)
+        .init()
+}
+
+/// A run in progress: everything the loop needs.
+pub struct Trainer {
+    run: PathBuf,
+    config: TrainConfig,
+    fingerprint: String,
+    task: Task,
+    device: Device,
+    model: Model,
+    optim: ModuleOptimizer,
+    valid: Vec<Batch>,
+    state: State,
+    metrics: Metrics,
+    last_checkpoint: Option<PathBuf>,
+}
+
+/// What `config.toml` of a run folder holds, and the model built from it.
+pub struct Loaded {
+    /// The run's config.
+    pub config: TrainConfig,
+    /// Its fingerprint.
+    pub fingerprint: String,
+    /// The task (data, optimum).
+    pub task: Task,
+    /// A freshly initialised model of the run.
+    pub model: Model,
+}
+
+/// Reads a run folder's config and builds its task and (initial) model on `device`.
+pub fn load_run(run: &Path, device: &Device) -> Result<Loaded> {
+    let path = run.join("config.toml");
+    if !path.exists() {
+        return Err(Error::Checkpoint {
+            path: run.to_path_buf(),
+            message: "not a run folder (no config.toml)".into(),
+        });
+    }
+    let text = fs::read_to_string(&path).map_err(Error::io(&path))?;
+    let config = TrainConfig::from_toml(&text, &[]).map_err(|e| Error::Checkpoint {
+        path: path.clone(),
+        message: e.to_string(),
+    })?;
+    let task = Task::new(&config, device)?;
+    // burn draws parameters lazily, at first use: draw them all now, from the init stream.
+    device.seed(Rng::derive_seed(config.seed, "init", 0));
+    let model = Model::new(&config, &task, device)?;
+    model.visit(&mut Materialize);
+    Ok(Loaded {
+        fingerprint: checkpoint::fingerprint(&text),
+        config,
+        task,
+        model,
+    })
+}
+
+impl Trainer {
+    /// Starts a new run in the folder `run` (which must not exist or be empty).
+    pub fn start(mut config: TrainConfig, run: &Path, device: &Device) -> Result<Self> {
+        if run.exists() && fs::read_dir(run).map_err(Error::io(run))?.next().is_some() {
+            return Err(Error::Config(format!(
+                "the run folder {} already exists; continue it with `ffn-train resume {0}` or \
+                 choose another --run",
+                run.display()
+            )));
+        }
+        // A text file is stored by its absolute path, so the run resumes from anywhere.
+        if let TaskConfig::Text(t) = &mut config.task {
+            t.path = fs::canonicalize(&t.path).map_err(Error::io(&t.path))?;
+        }
+        // Build the task first: a bad text file is reported before the folder is created.
+        let task = Task::new(&config, device)?;
+        fs::create_dir_all(run).map_err(Error::io(run))?;
+        let text = config.to_toml();
+        write_atomically(&run.join("config.toml"), text.as_bytes())?;
+        write_atomically(&run.join("ffn.toml"), config.ffn()?.to_toml().as_bytes())?;
+        if let Some(vocab) = task.vocab() {
+            let json = serde_json::to_string(&vocab).expect("vocab serialises");
+            write_atomically(&run.join("vocab.json"), json.as_bytes())?;
+        }
+        let loaded = load_run(run, device)?;
+        let state = State {
+            step: 0,
+            rng: RngState {
+                seed: config.seed,
+                next_step: 0,
+            },
+            pending_loss: (0.0, 0),
+            best_valid: None,
+            tokens: 0,
+            elapsed_s: 0.0,
+            config_fingerprint: loaded.fingerprint.clone(),
+        };
+        Self::assemble(run, loaded, optimizer(&config.train), state, None, device)
+    }
+
+    /// Continues the run in folder `run` from its newest checkpoint.
+    pub fn resume(run: &Path, device: &Device) -> Result<Self> {
+        let loaded = load_run(run, device)?;
+        let latest = checkpoint::list(run)?
+            .pop()
+            .ok_or_else(|| Error::Checkpoint {
+                path: checkpoint::folder(run),
+                message: "no checkpoint to resume from; start the run again with `ffn-train train`"
+                    .into(),
+            })?;
+        let state = checkpoint::read_state(&latest, &loaded.fingerprint)?;
+        let optim = checkpoint::load_optim(&latest, optimizer(&loaded.config.train))?;
+        let model = checkpoint::load_model(&latest, loaded.model)?;
+        let loaded = Loaded { model, ..loaded };
+        Self::assemble(run, loaded, optim, state, Some(latest), device)
+    }
+
+    fn assemble(
+        run: &Path,
+        loaded: Loaded,
+        optim: ModuleOptimizer,
+        state: State,
+        last_checkpoint: Option<PathBuf>,
+        device: &Device,
+    ) -> Result<Self> {
+        let t = &loaded.config.train;
+        let eval_device = device.clone().inner();
+        let valid = loaded.task.valid_batches(
+            loaded.config.seed,
+            t.eval_batches,
+            t.batch_size,
+            &eval_device,
+        );
+        Ok(Self {
+            metrics: Metrics::open(run, state.step)?,
+            run: run.to_path_buf(),
+            config: loaded.config,
+            fingerprint: loaded.fingerprint,
+            task: loaded.task,
+            device: device.clone(),
+            model: loaded.model,
+            optim,
+            valid,
+            state,
+            last_checkpoint,
+        })
+    }
+
+    /// Steps completed.
+    pub fn step(&self) -> usize {
+        self.state.step
+    }
+
+    /// The run's config.
+    pub fn config(&self) -> &TrainConfig {
+        &self.config
+    }
+
+    /// The best achievable loss, when known.
+    pub fn optimal_loss(&self) -> Option<f64> {
+        self.task.optimal_loss()
+    }
+
+    /// Trains to the configured number of steps, then writes the summary and the plot.
+    pub fn run(mut self, progress: &Progress) -> Result<Summary> {
+        let seed = self.config.seed;
+        let t = self.config.train.clone();
+        let optimum = self.task.optimal_loss();
+        let tokens_per_step = self.task.tokens_per_batch(t.batch_size);
+        let clock = Instant::now();
+        let elapsed_before = self.state.elapsed_s;
+        let elapsed = |clock: &Instant| elapsed_before + clock.elapsed().as_secs_f64();
+        let mut interval = (Instant::now(), 0usize); // training time and tokens since last log
+        let mut last_train: Option<f64> = None;
+        let mut last_valid: Option<f64> = None;
+        let gap_text =
+            |loss: f64| optimum.map_or(String::new(), |o| format!(" | gap {:+.4}", loss - o));
+
+        while self.state.step < t.steps {
+            let step = self.state.step;
+            self.device
+                .seed(Rng::derive_seed(seed, "dropout", step as u64));
+            let batch = self
+                .task
+                .train_batch(seed, step, t.batch_size, &self.device);
+            let loss = self.model.loss(&batch);
+            let value = loss.clone().into_scalar::<f64>();
+            if !value.is_finite() {
+                progress.finish();
+                return Err(Error::Diverged {
+                    step: step + 1,
+                    loss: value,
+                    last_good: self.last_checkpoint.clone(),
+                });
+            }
+            let mut grads = GradientsParams::from_grads(loss.backward(), &self.model);
+            clip_global_norm(&self.model, &mut grads, t.grad_clip);
+            let lr = learning_rate(&t, step);
+            self.model = self.optim.step(lr, self.model.clone(), grads);
+
+            self.state.step += 1;
+            self.state.rng.next_step = self.state.step;
+            self.state.tokens += tokens_per_step as u64;
+            self.state.pending_loss.0 += value;
+            self.state.pending_loss.1 += 1;
+            interval.1 += tokens_per_step;
+            let done = self.state.step;
+            let last = done == t.steps;
+
+            if done % t.log_every == 0 || last {
+                let (sum, count) = std::mem::take(&mut self.state.pending_loss);
+                let mean = sum / count as f64;
+                let seconds = interval.0.elapsed().as_secs_f64().max(1e-9);
+                self.metrics.write(&Record {
+                    step: done,
+                    kind: "train".into(),
+                    loss: mean,
+                    gap: optimum.map(|o| mean - o),
+                    lr: Some(lr),
+                    tokens_per_s: Some(interval.1 as f64 / seconds),
+                    elapsed_s: elapsed(&clock),
+                })?;
+                last_train = Some(mean);
+                interval = (Instant::now(), 0);
+            }
+            let evaluating = done % t.eval_every == 0 || last;
+            if evaluating {
+                let valid = evaluate(&self.model, &self.valid);
+                self.metrics.write(&Record {
+                    step: done,
+                    kind: "valid".into(),
+                    loss: valid,
+                    gap: optimum.map(|o| valid - o),
+                    lr: None,
+                    tokens_per_s: None,
+                    elapsed_s: elapsed(&clock),
+                })?;
+                if self.state.best_valid.is_none_or(|(best, _)| valid < best) {
+                    self.state.best_valid = Some((valid, done));
+                }
+                last_valid = Some(valid);
+                interval.0 = Instant::now(); // evaluation time is not training throughput
+            }
+            if done % t.checkpoint_every == 0 || last {
+                self.state.elapsed_s = elapsed(&clock);
+                let path = checkpoint::save(
+                    &self.run,
+                    &self.model,
+                    &self.optim,
+                    &self.state,
+                    t.keep_checkpoints,
+                )?;
+                self.last_checkpoint = Some(path);
+            }
+
+            let tokens_per_s = self.state.tokens as f64 / elapsed(&clock).max(1e-9);
+            let eta = elapsed(&clock) / done as f64 * (t.steps - done) as f64;
+            let message = format!(
+                "step {done}/{} | train {} | valid {}{} | {:.1}k tok/s | eta {}",
+                t.steps,
+                last_train.map_or("-".into(), |l| format!("{l:.4}")),
+                last_valid.map_or("-".into(), |l| format!("{l:.4}")),
+                last_valid.map_or(String::new(), gap_text),
+                tokens_per_s / 1e3,
+                metrics::duration(eta),
+            );
+            progress.update(done, &message, evaluating);
+        }
+        progress.finish();
+        self.state.elapsed_s = elapsed(&clock);
+        self.finish()
+    }
+
+    /// Writes `summary.json` and `loss.svg` from the metrics and the final state.
+    fn finish(&self) -> Result<Summary> {
+        let records = metrics::read_records(&self.run.join("metrics.jsonl"))?;
+        let optimum = self.task.optimal_loss();
+        let last = |kind: &str| {
+            records
+                .iter()
+                .rev()
+                .find(|r| r.kind == kind)
+                .map(|r| r.loss)
+        };
+        let train_rates: Vec<f64> = records.iter().filter_map(|r| r.tokens_per_s).collect();
+        let best = self.state.best_valid;
+        let ffn_params = self.ffn_params();
+        let summary = Summary {
+            status: "completed".into(),
+            steps: self.state.step,
+            final_train_loss: last("train"),
+            final_valid_loss: last("valid"),
+            best_valid_loss: best.map(|b| b.0),
+            best_valid_step: best.map(|b| b.1),
+            optimal_loss: optimum,
+            final_gap: last("valid").zip(optimum).map(|(l, o)| l - o),
+            best_gap: best.zip(optimum).map(|(b, o)| b.0 - o),
+            tokens_per_s: if train_rates.is_empty() {
+                0.0
+            } else {
+                train_rates.iter().sum::<f64>() / train_rates.len() as f64
+            },
+            wall_time_s: self.state.elapsed_s,
+            params: self.model.num_params(),
+            ffn_params,
+            device: format!("{:?}", self.device),
+        };
+        metrics::write_summary(&self.run, &summary)?;
+        let title = format!(
+            "{}: {}",
+            self.run
+                .file_name()
+                .map_or("run".into(), |n| n.to_string_lossy()),
+            describe(&self.config)
+        );
+        let svg = crate::plot::svg(&title, &records, optimum);
+        write_atomically(&self.run.join("loss.svg"), svg.as_bytes())?;
+        Ok(summary)
+    }
+
+    fn ffn_params(&self) -> usize {
+        let per_ffn = self.config.ffn().map(|c| c.num_params()).unwrap_or(0);
+        match &self.config.model {
+            crate::config::ModelConfig::Transformer(m) => per_ffn * m.n_layers,
+            _ => per_ffn,
+        }
+    }
+
+    /// The run folder.
+    pub fn folder(&self) -> &Path {
+        &self.run
+    }
+
+    /// The fingerprint of the run's config.
+    pub fn fingerprint(&self) -> &str {
+        &self.fingerprint
+    }
+}
+
+/// A short description of a run's model and task, for titles and logs.
+pub fn describe(config: &TrainConfig) -> String {
+    let ffn = config
+        .ffn()
+        .map(|f| {
+            let variant = ffn_model::Variant::ALL
+                .into_iter()
+                .find(|v| v.activation() == f.activation && v.gated() == f.gated);
+            let name = variant.map_or_else(
+                || format!("{}{}", f.activation, if f.gated { " gated" } else { "" }),
+                |v| v.name().to_string(),
+            );
+            format!("{name} d_ff {}", f.d_ff)
+        })
+        .unwrap_or_default();
+    let task = match &config.task {
+        TaskConfig::Markov(m) => format!("Markov V={} k={}", m.vocab_size, m.order),
+        TaskConfig::Text(t) => format!(
+            "text {}",
+            t.path
+                .file_name()
+                .map_or("".into(), |n| n.to_string_lossy())
+        ),
+        TaskConfig::Teacher(t) => format!("teacher σ={}", t.noise),
+        TaskConfig::Sine(s) => format!("sine σ={}", s.noise),
+    };
+    let model = match &config.model {
+        crate::config::ModelConfig::Transformer(m) => {
+            format!("transformer {}×d{}", m.n_layers, m.d_model)
+        }
+        crate::config::ModelConfig::Window(m) => format!("window-{} d{}", m.window, m.d_model),
+        crate::config::ModelConfig::Ffn(m) => format!("FFN d{}", m.d_model),
+    };
+    format!("{model}, {ffn}, {task}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn schedule_warms_up_then_decays_to_min_lr() {
+        let t = TrainSettings {
+            steps: 100,
+            warmup_steps: 10,
+            lr: 1.0,
+            min_lr: 0.1,
+            ..TrainSettings::default()
+        };
+        assert!((learning_rate(&t, 0) - 0.1).abs() < 1e-12);
+        assert!((learning_rate(&t, 9) - 1.0).abs() < 1e-12);
+        assert!((learning_rate(&t, 10) - 1.0).abs() < 1e-12);
+        assert!((learning_rate(&t, 55) - 0.55).abs() < 1e-12);
+        assert!((learning_rate(&t, 100) - 0.1).abs() < 1e-12);
+        for s in 10..99 {
+            assert!(learning_rate(&t, s + 1) <= learning_rate(&t, s));
+        }
+    }
+}

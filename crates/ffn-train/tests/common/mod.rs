@@ -1,0 +1,90 @@
+//! Helpers shared by the integration tests.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+
+use burn::tensor::Device;
+
+/// A language-model run that takes a second or two: a 1-layer transformer on a small Markov
+/// chain, with FFN dropout so that the dropout RNG is exercised too.
+pub const TINY_LM: &str = r#"
+seed = 7
+[task]
+kind = "markov"
+vocab_size = 6
+order = 2
+support = 2
+seq_len = 12
+[model]
+kind = "transformer"
+d_model = 16
+n_layers = 1
+n_heads = 2
+ffn = { preset = "SwiGLU", dropout = 0.1 }
+[train]
+steps = 60
+batch_size = 8
+lr = 1e-2
+warmup_steps = 5
+eval_every = 10
+eval_batches = 2
+log_every = 5
+checkpoint_every = 10
+keep_checkpoints = 10
+"#;
+
+/// burn's device RNG is process-wide: tests that train hold this lock, one run at a time.
+pub fn serial() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    LOCK.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+pub fn device() -> Device {
+    Device::flex().autodiff()
+}
+
+/// A fresh, empty folder for one test.
+pub fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("ffn-train-test-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// `(step, kind, loss)` of every metrics record of a run.
+pub fn losses(run: &Path) -> Vec<(usize, String, f64)> {
+    ffn_train::metrics::read_records(&run.join("metrics.jsonl"))
+        .unwrap()
+        .into_iter()
+        .map(|r| (r.step, r.kind, r.loss))
+        .collect()
+}
+
+/// Copies a folder tree.
+pub fn copy_tree(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        let target = to.join(entry.file_name());
+        if entry.file_type().unwrap().is_dir() {
+            copy_tree(&entry.path(), &target);
+        } else {
+            std::fs::copy(entry.path(), target).unwrap();
+        }
+    }
+}
+
+/// Every file under a folder with its bytes, sorted: to check a folder was left intact.
+pub fn snapshot(dir: &Path) -> Vec<(PathBuf, Vec<u8>)> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.is_dir() {
+            out.extend(snapshot(&path));
+        } else {
+            out.push((path.clone(), std::fs::read(&path).unwrap()));
+        }
+    }
+    out.sort();
+    out
+}
