@@ -128,7 +128,7 @@ pub struct TeacherConfig {
 impl Default for TeacherConfig {
     fn default() -> Self {
         Self {
-            noise: 0.1,
+            noise: 0.2,
             teacher: None,
             teacher_gain: 1.0,
         }
@@ -148,7 +148,7 @@ pub struct SineConfig {
 impl Default for SineConfig {
     fn default() -> Self {
         Self {
-            noise: 0.1,
+            noise: 0.2,
             frequency: 1.0,
         }
     }
@@ -358,7 +358,7 @@ pub struct TrainSettings {
     pub lr: f64,
     /// Learning rate at the end of the cosine decay.
     pub min_lr: f64,
-    /// Steps of linear warm-up from 0 to `lr`.
+    /// Steps of linear warm-up from 0 to `lr` (cut short if `steps` is smaller).
     pub warmup_steps: usize,
     /// AdamW's decoupled weight decay.
     pub weight_decay: f64,
@@ -412,13 +412,13 @@ impl TrainConfig {
     /// Parses TOML, applies overrides, validates.
     pub fn from_toml(text: &str, overrides: &[String]) -> Result<Self> {
         let mut table: toml::Table =
-            toml::from_str(text).map_err(|e| Error::Config(e.to_string().trim().to_string()))?;
+            toml::from_str(text).map_err(|e| Error::Config(toml_error(text, &e)))?;
         for assignment in overrides {
             apply_override(&mut table, assignment)?;
         }
         let config: Self = table
             .try_into()
-            .map_err(|e: toml::de::Error| Error::Config(e.to_string().trim().to_string()))?;
+            .map_err(|e: toml::de::Error| Error::Config(toml_error(text, &e)))?;
         config.validate()?;
         Ok(config)
     }
@@ -568,12 +568,6 @@ impl TrainConfig {
                 t.lr, t.min_lr
             ));
         }
-        if t.warmup_steps > t.steps {
-            return fail(format!(
-                "train.warmup_steps ({}) must not exceed train.steps ({})",
-                t.warmup_steps, t.steps
-            ));
-        }
         probability("train.beta1", t.beta1)?;
         probability("train.beta2", t.beta2)?;
         if !(t.weight_decay.is_finite() && t.weight_decay >= 0.0) {
@@ -586,6 +580,20 @@ impl TrainConfig {
             return fail(format!("train.grad_clip must be ≥ 0, got {}", t.grad_clip));
         }
         Ok(())
+    }
+}
+
+/// A TOML error on one line: `line L, column C: message` when it has a position in `text`.
+fn toml_error(text: &str, e: &toml::de::Error) -> String {
+    let message = e.message().trim().replace('\n', " ");
+    match e.span() {
+        Some(span) if span.start <= text.len() => {
+            let before = &text[..span.start];
+            let line = before.matches('\n').count() + 1;
+            let column = before.len() - before.rfind('\n').map_or(0, |i| i + 1) + 1;
+            format!("line {line}, column {column}: {message}")
+        }
+        _ => message,
     }
 }
 

@@ -97,7 +97,14 @@ fn main() -> ExitCode {
     match run(Cli::parse()) {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
-            eprintln!("error: {err}");
+            // One line, whatever the message.
+            let message = err.to_string();
+            let message: Vec<&str> = message
+                .lines()
+                .map(str::trim)
+                .filter(|l| !l.is_empty())
+                .collect();
+            eprintln!("error: {}", message.join(" "));
             ExitCode::FAILURE
         }
     }

@@ -41,11 +41,12 @@ use crate::{Error, Result};
 /// The learning rate after `step` completed steps: linear warm-up from `lr / warmup` to `lr`
 /// over `warmup_steps`, then cosine decay to `min_lr` at the last step.
 pub fn learning_rate(t: &TrainSettings, step: usize) -> f64 {
-    if step < t.warmup_steps {
-        return t.lr * (step + 1) as f64 / t.warmup_steps as f64;
+    let warmup = t.warmup_steps.min(t.steps);
+    if step < warmup {
+        return t.lr * (step + 1) as f64 / warmup as f64;
     }
-    let decay_steps = (t.steps - t.warmup_steps).max(1) as f64;
-    let progress = ((step - t.warmup_steps) as f64 / decay_steps).min(1.0);
+    let decay_steps = (t.steps - warmup).max(1) as f64;
+    let progress = ((step - warmup) as f64 / decay_steps).min(1.0);
     t.min_lr + 0.5 * (t.lr - t.min_lr) * (1.0 + (std::f64::consts::PI * progress).cos())
 }
 

@@ -1,0 +1,363 @@
+//! The `ffn-train` binary end to end: a run and its folder, evaluation, sampling, resume after
+//! `kill -9`, and one clear line for every error.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{TINY_LM, losses, scratch, snapshot};
+
+fn ffn_train(args: &[&str], cwd: &Path) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_ffn-train"))
+        .args(args)
+        .current_dir(cwd)
+        .env_remove("FFN_DEVICE")
+        .output()
+        .expect("the binary runs")
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// Asserts a failed command printed exactly one line, `error: …` containing `needle`.
+fn assert_error(o: &Output, needle: &str) {
+    assert_eq!(
+        o.status.code(),
+        Some(1),
+        "stdout: {}\nstderr: {}",
+        stdout(o),
+        stderr(o)
+    );
+    let err = stderr(o);
+    let lines: Vec<&str> = err.lines().collect();
+    assert_eq!(lines.len(), 1, "one line expected:\n{err}");
+    assert!(lines[0].starts_with("error: "), "{err}");
+    assert!(err.contains(needle), "`{needle}` not in: {err}");
+}
+
+fn tiny(dir: &Path) -> PathBuf {
+    let path = dir.join("tiny.toml");
+    std::fs::write(&path, TINY_LM).unwrap();
+    path
+}
+
+#[test]
+fn train_eval_and_sample_end_to_end() {
+    let dir = scratch("cli-e2e");
+    let config = tiny(&dir);
+    let out = ffn_train(
+        &[
+            "train",
+            "--config",
+            config.to_str().unwrap(),
+            "--run",
+            "run",
+        ],
+        &dir,
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    // Piped stdout: plain lines at each evaluation, no progress-bar escapes, no debug dumps.
+    assert!(text.contains("step 10/60 | train "), "{text}");
+    assert!(text.contains("step 60/60 | train "), "{text}");
+    assert!(text.contains("| gap "), "{text}");
+    assert!(text.contains("tok/s"), "{text}");
+    assert!(text.contains("done: 60 steps"), "{text}");
+    assert!(
+        !text.contains('\u{1b}') && !text.contains("Snapshot"),
+        "{text}"
+    );
+
+    let run = dir.join("run");
+    for file in [
+        "config.toml",
+        "ffn.toml",
+        "vocab.json",
+        "metrics.jsonl",
+        "metrics.csv",
+        "summary.json",
+        "loss.svg",
+    ] {
+        assert!(run.join(file).is_file(), "{file} missing");
+    }
+    // The resolved config reloads; the FFN config is a FeedForwardConfig file.
+    let resolved = std::fs::read_to_string(run.join("config.toml")).unwrap();
+    ffn_train::TrainConfig::from_toml(&resolved, &[]).unwrap();
+    let ffn = std::fs::read_to_string(run.join("ffn.toml")).unwrap();
+    let ffn = ffn_model::FeedForwardConfig::from_toml(&ffn).unwrap();
+    assert_eq!((ffn.d_model, ffn.d_ff, ffn.gated), (16, 43, true));
+    // Checkpoints: every 10 steps, all kept (keep_checkpoints = 10).
+    assert_eq!(ffn_train::checkpoint::list(&run).unwrap().len(), 6);
+    let csv = std::fs::read_to_string(run.join("metrics.csv")).unwrap();
+    assert_eq!(
+        csv.lines().next(),
+        Some("step,kind,loss,gap,lr,tokens_per_s,elapsed_s")
+    );
+    assert_eq!(csv.lines().count(), 1 + 12 + 6);
+    let summary = ffn_train::metrics::read_summary(&run).unwrap();
+    assert_eq!(summary.steps, 60);
+    let gap = summary.final_gap.unwrap();
+    assert!(
+        (summary.final_valid_loss.unwrap() - summary.optimal_loss.unwrap() - gap).abs() < 1e-12
+    );
+    assert!(summary.tokens_per_s > 0.0 && summary.wall_time_s > 0.0);
+
+    let out = ffn_train(&["eval", "run", "--batches", "4"], &dir);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        stdout(&out).contains("step 60, validation loss"),
+        "{}",
+        stdout(&out)
+    );
+    assert!(stdout(&out).contains("gap"), "{}", stdout(&out));
+
+    let sample = |extra: &[&str]| {
+        let mut args = vec!["sample", "run", "--prompt", "abc", "--tokens", "30"];
+        args.extend_from_slice(extra);
+        let out = ffn_train(&args, &dir);
+        assert!(out.status.success(), "{}", stderr(&out));
+        stdout(&out).trim_end().to_string()
+    };
+    let a = sample(&["--seed", "3"]);
+    assert_eq!(a.chars().count(), 33);
+    assert!(
+        a.starts_with("abc") && a.chars().all(|c| "abcdef".contains(c)),
+        "{a}"
+    );
+    assert_eq!(
+        a,
+        sample(&["--seed", "3"]),
+        "the same seed samples the same text"
+    );
+    let greedy = sample(&["--temperature", "0"]);
+    assert_eq!(greedy, sample(&["--temperature", "0", "--seed", "9"]));
+    let out = ffn_train(&["sample", "run", "--prompt", "xyz"], &dir);
+    assert_error(&out, "not in the vocabulary");
+}
+
+#[test]
+fn a_run_killed_with_sigkill_resumes_to_the_same_curve() {
+    let dir = scratch("cli-kill");
+    let config = tiny(&dir);
+    let config = config.to_str().unwrap();
+    let sets = [
+        "--set",
+        "train.steps=400",
+        "--set",
+        "train.keep_checkpoints=3",
+    ];
+    let mut args = vec!["train", "--config", config, "--run", "full"];
+    args.extend_from_slice(&sets);
+    assert!(ffn_train(&args, &dir).status.success());
+
+    let mut args = vec!["train", "--config", config, "--run", "killed"];
+    args.extend_from_slice(&sets);
+    let mut child = Command::new(env!("CARGO_BIN_EXE_ffn-train"))
+        .args(&args)
+        .current_dir(&dir)
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let killed = dir.join("killed");
+    let start = Instant::now();
+    while !killed.join("checkpoints/step-000100").exists() {
+        assert!(
+            start.elapsed() < Duration::from_secs(120),
+            "no checkpoint appeared"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    child.kill().unwrap(); // SIGKILL
+    child.wait().unwrap();
+    assert!(
+        !killed.join("summary.json").exists(),
+        "the run finished before it was killed"
+    );
+
+    let out = ffn_train(&["resume", "killed"], &dir);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        stdout(&out).contains("resuming at step"),
+        "{}",
+        stdout(&out)
+    );
+    assert_eq!(losses(&killed), losses(&dir.join("full")));
+}
+
+#[test]
+fn every_error_is_one_clear_line() {
+    let dir = scratch("cli-errors");
+    let config = tiny(&dir);
+    let config = config.to_str().unwrap();
+    let train = |extra: &[&str]| {
+        let mut args = vec!["train", "--config", config];
+        args.extend_from_slice(extra);
+        ffn_train(&args, &dir)
+    };
+
+    assert_error(&train(&["--set", "train.stepz=5"]), "stepz");
+    assert_error(
+        &train(&["--set", "train.batch_size=0"]),
+        "train.batch_size must be at least 1",
+    );
+    assert_error(
+        &train(&["--set", "model.ffn.activation=gleu"]),
+        "unknown activation `gleu`",
+    );
+    assert_error(
+        &train(&["--set", "model.ffn.preset=SwiGLOO"]),
+        "unknown preset",
+    );
+    assert_error(
+        &train(&[
+            "--set",
+            "model.ffn.bias_gate=true",
+            "--set",
+            "model.ffn.preset=FFN_ReLU",
+        ]),
+        "model.ffn",
+    );
+    assert_error(
+        &train(&["--set", "model.n_heads=3"]),
+        "multiple of model.n_heads",
+    );
+    assert_error(&train(&["--set", "model.kind=ffn"]), "");
+    assert_error(&train(&["--set", "nonsense"]), "expected key=value");
+    assert_error(
+        &train(&["--device", "tpu"]),
+        "unknown or not compiled device `tpu`",
+    );
+    assert_error(
+        &ffn_train(&["train", "--config", "missing.toml"], &dir),
+        "missing.toml",
+    );
+
+    // Text files.
+    std::fs::write(dir.join("empty.txt"), "").unwrap();
+    std::fs::write(dir.join("short.txt"), "just a few words").unwrap();
+    std::fs::write(dir.join("latin1.txt"), b"caf\xe9 ".repeat(100)).unwrap();
+    assert_error(&train(&["--text", "empty.txt"]), "the file is empty");
+    assert_error(&train(&["--text", "short.txt"]), "too short");
+    assert_error(
+        &train(&["--text", "latin1.txt", "--level", "char"]),
+        "not UTF-8",
+    );
+    assert_error(&train(&["--text", "nowhere.txt"]), "nowhere.txt");
+    assert!(
+        !dir.join("runs").exists(),
+        "no run folder is created for a bad file"
+    );
+
+    // An existing run folder is never overwritten.
+    let sets = ["--set", "train.steps=20"];
+    let mut args = vec!["--run", "run"];
+    args.extend_from_slice(&sets);
+    assert!(train(&args).status.success());
+    let before = snapshot(&dir.join("run"));
+    assert_error(&train(&args), "already exists");
+    assert_eq!(snapshot(&dir.join("run")), before);
+
+    // Resume: not a run folder; a corrupt checkpoint; a checkpoint of another config.
+    assert_error(&ffn_train(&["resume", "."], &dir), "not a run folder");
+    let latest = ffn_train::checkpoint::list(&dir.join("run"))
+        .unwrap()
+        .pop()
+        .unwrap();
+    let model = latest.join("model.bpk");
+    let bytes = std::fs::read(&model).unwrap();
+    std::fs::write(&model, &bytes[..bytes.len() / 2]).unwrap();
+    let before = snapshot(&dir.join("run"));
+    assert_error(&ffn_train(&["resume", "run"], &dir), "model.bpk");
+    assert_error(&ffn_train(&["eval", "run"], &dir), "model.bpk");
+    assert_eq!(
+        snapshot(&dir.join("run")),
+        before,
+        "the run folder is left as it was"
+    );
+    std::fs::write(&model, &bytes).unwrap();
+    let config_path = dir.join("run/config.toml");
+    let original = std::fs::read_to_string(&config_path).unwrap();
+    std::fs::write(&config_path, original.replace("seed = 7", "seed = 8")).unwrap();
+    assert_error(&ffn_train(&["resume", "run"], &dir), "another config");
+    std::fs::write(&config_path, original).unwrap();
+
+    // A diverging run stops, names the step, keeps its last good checkpoint.
+    let out = train(&[
+        "--run",
+        "nan",
+        "--set",
+        "train.lr=1e30",
+        "--set",
+        "train.min_lr=1e30",
+        "--set",
+        "train.grad_clip=0",
+        "--set",
+        "train.checkpoint_every=1",
+        "--set",
+        "train.warmup_steps=0",
+    ]);
+    assert_error(&out, "the loss became");
+    let err = stderr(&out);
+    assert!(err.contains("at step"), "{err}");
+    let last_good = ffn_train::checkpoint::list(&dir.join("nan")).unwrap();
+    assert!(!last_good.is_empty(), "{err}");
+    let name = last_good
+        .last()
+        .unwrap()
+        .file_name()
+        .unwrap()
+        .to_str()
+        .unwrap()
+        .to_string();
+    assert!(err.contains(&format!("nan/checkpoints/{name}")), "{err}");
+    let step: usize = name["step-".len()..].parse().unwrap();
+    assert!(err.contains(&format!("at step {}", step + 1)), "{err}");
+
+    // A bad command line is clap's business: exit status 2.
+    let out = ffn_train(&["train", "--steps", "3"], &dir);
+    assert_eq!(out.status.code(), Some(2));
+}
+
+#[test]
+fn text_files_train_byte_and_char_level() {
+    let dir = scratch("cli-text");
+    let text = "the quick brown fox jumps over the lazy dog. ".repeat(60) + "ça va très bien.\n";
+    std::fs::write(dir.join("corpus.txt"), &text).unwrap();
+    for level in ["byte", "char"] {
+        let run = format!("run-{level}");
+        let out = ffn_train(
+            &[
+                "train",
+                "--text",
+                "corpus.txt",
+                "--level",
+                level,
+                "--run",
+                &run,
+                "--set",
+                "train.steps=20",
+                "--set",
+                "train.eval_every=10",
+                "--set",
+                "task.seq_len=32",
+            ],
+            &dir,
+        );
+        assert!(out.status.success(), "{}", stderr(&out));
+        assert!(stdout(&out).contains("optimum unknown"), "{}", stdout(&out));
+        let summary = ffn_train::metrics::read_summary(&dir.join(&run)).unwrap();
+        assert_eq!(summary.optimal_loss, None);
+        assert!(
+            summary.final_valid_loss.unwrap() < (if level == "byte" { 256f64 } else { 30f64 }).ln()
+        );
+        let out = ffn_train(&["sample", &run, "--prompt", "ça ", "--tokens", "10"], &dir);
+        assert!(out.status.success(), "{}", stderr(&out));
+    }
+}
