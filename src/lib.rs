@@ -30,3 +30,8 @@ pub fn cpu() -> Device {
     #[allow(deprecated)]
     return Device::ndarray();
 }
+
+/// The README's Rust examples, compiled and run as doctests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;

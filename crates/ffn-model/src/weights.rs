@@ -71,7 +71,7 @@ impl FeedForward {
     /// earlier file intact.
     pub fn save_safetensors(&self, path: impl AsRef<Path>) -> Result<(), Error> {
         let path = path.as_ref();
-        let bytes = self.to_safetensors_bytes()?;
+        let bytes = self.to_safetensors_bytes();
         write_atomically(path, &bytes).map_err(|source| Error::Io {
             path: path.to_path_buf(),
             source,
@@ -79,7 +79,7 @@ impl FeedForward {
     }
 
     /// The bytes [`save_safetensors`](Self::save_safetensors) writes.
-    pub fn to_safetensors_bytes(&self) -> Result<Vec<u8>, Error> {
+    pub fn to_safetensors_bytes(&self) -> Vec<u8> {
         let tensors: Vec<(String, HostTensor)> = self
             .projections()
             .into_iter()
@@ -93,30 +93,8 @@ impl FeedForward {
             })
             .filter_map(|(key, tensor)| tensor.map(|t| (key, t)))
             .collect();
-        let views = tensors
-            .iter()
-            .map(|(key, t)| {
-                let dtype = if t.data.dtype() == DType::F64 {
-                    Dtype::F64
-                } else {
-                    Dtype::F32
-                };
-                let view = TensorView::new(dtype, t.shape.clone(), t.data.as_bytes())
-                    .expect("sizes agree by construction");
-                (key.clone(), view)
-            })
-            .collect::<Vec<_>>();
-        let metadata = HashMap::from([
-            ("format".to_string(), "pt".to_string()),
-            (
-                ACTIVATION_KEY.to_string(),
-                self.activation().name().to_string(),
-            ),
-        ]);
-        safetensors::serialize(views, Some(metadata)).map_err(|e| Error::Corrupt {
-            path: PathBuf::from("<bytes>"),
-            reason: e.to_string(),
-        })
+        let metadata = [("format", "pt"), (ACTIVATION_KEY, self.activation().name())];
+        serialize(&tensors, &metadata)
     }
 
     /// `(name, projection)` for each projection this module has, in file order.
@@ -214,6 +192,44 @@ impl FeedForward {
             None => module,
         })
     }
+}
+
+/// A safetensors file: an 8-byte little-endian header length, the JSON header (tensors in key
+/// order, each `{dtype, shape, data_offsets}`, and `__metadata__`), padded with spaces to a
+/// multiple of 8 bytes, then the tensors' bytes. Written here rather than by the `safetensors`
+/// crate, whose metadata map is a `HashMap`: the same module gives byte-identical files.
+fn serialize(tensors: &[(String, HostTensor)], metadata: &[(&str, &str)]) -> Vec<u8> {
+    let mut sorted: Vec<&(String, HostTensor)> = tensors.iter().collect();
+    sorted.sort_by(|a, b| a.0.cmp(&b.0));
+    let mut header = serde_json::Map::new();
+    let meta: serde_json::Map<String, serde_json::Value> = metadata
+        .iter()
+        .map(|(k, v)| (k.to_string(), serde_json::Value::from(*v)))
+        .collect();
+    header.insert("__metadata__".into(), meta.into());
+    let mut offset = 0;
+    for (key, t) in &sorted {
+        let dtype = if t.data.dtype() == DType::F64 {
+            "F64"
+        } else {
+            "F32"
+        };
+        let size = t.data.as_bytes().len();
+        header.insert(
+            key.clone(),
+            serde_json::json!({"dtype": dtype, "shape": t.shape, "data_offsets": [offset, offset + size]}),
+        );
+        offset += size;
+    }
+    let mut json = serde_json::Value::Object(header).to_string().into_bytes();
+    json.resize(json.len().div_ceil(8) * 8, b' ');
+    let mut out = Vec::with_capacity(8 + json.len() + offset);
+    out.extend_from_slice(&(json.len() as u64).to_le_bytes());
+    out.extend_from_slice(&json);
+    for (_, t) in sorted {
+        out.extend_from_slice(t.data.as_bytes());
+    }
+    out
 }
 
 /// Replaces a parameter's value, keeping its id, device, dtype and gradient setting.

@@ -545,10 +545,10 @@ impl TrainConfig {
             }
         }
         self.ffn()?;
-        if let (TaskConfig::Teacher(t), ModelConfig::Ffn(m)) = (&self.task, &self.model) {
-            if let Some(spec) = &t.teacher {
-                spec.resolve(m.d_model, "task.teacher")?;
-            }
+        if let (TaskConfig::Teacher(t), ModelConfig::Ffn(m)) = (&self.task, &self.model)
+            && let Some(spec) = &t.teacher
+        {
+            spec.resolve(m.d_model, "task.teacher")?;
         }
 
         let t = &self.train;

@@ -357,6 +357,7 @@ impl Regression {
 
 /// One batch.
 #[derive(Debug, Clone)]
+#[allow(clippy::large_enum_variant)] // one per step, moved rarely; boxing buys nothing
 pub enum Batch {
     /// `[batch, seq_len + 1]` tokens: inputs are the first `seq_len`, targets the last.
     Tokens(Tensor<2, Int>),
@@ -380,6 +381,7 @@ pub enum Language {
 
 /// A task: batches, validation data, the optimum.
 #[derive(Debug, Clone)]
+#[allow(clippy::large_enum_variant)] // one per run
 pub enum Task {
     /// Next-token prediction, cross-entropy in nats per token.
     Language {

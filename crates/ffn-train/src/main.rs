@@ -164,10 +164,8 @@ fn run(cli: Cli) -> Result<()> {
             let device = backend::device(device.as_deref())?;
             let trainer = Trainer::start(config, &folder, &device)?;
             announce(&trainer, &device, "training");
-            report(
-                &trainer.folder().to_path_buf(),
-                trainer.run(&Progress::auto(0))?,
-            )
+            let folder = trainer.folder().to_path_buf();
+            report(&folder, trainer.run(&Progress::auto(0))?)
         }
         Command::Resume { run, device } => {
             let device = backend::device(device.as_deref())?;

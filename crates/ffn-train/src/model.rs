@@ -106,6 +106,7 @@ impl WindowLm {
 
 /// The network of a run.
 #[derive(Module, Debug)]
+#[allow(clippy::large_enum_variant)] // one per run; burn's Module derive does not see through a Box
 pub enum Model {
     /// A transformer language model.
     Transformer(TransformerLm),

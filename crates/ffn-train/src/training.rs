@@ -345,7 +345,7 @@ impl Trainer {
             let done = self.state.step;
             let last = done == t.steps;
 
-            if done % t.log_every == 0 || last {
+            if done.is_multiple_of(t.log_every) || last {
                 let (sum, count) = std::mem::take(&mut self.state.pending_loss);
                 let mean = sum / count as f64;
                 let seconds = interval.0.elapsed().as_secs_f64().max(1e-9);
@@ -361,7 +361,7 @@ impl Trainer {
                 last_train = Some(mean);
                 interval = (Instant::now(), 0);
             }
-            let evaluating = done % t.eval_every == 0 || last;
+            let evaluating = done.is_multiple_of(t.eval_every) || last;
             if evaluating {
                 let valid = evaluate(&self.model, &self.valid);
                 self.metrics.write(&Record {
@@ -379,7 +379,7 @@ impl Trainer {
                 last_valid = Some(valid);
                 interval.0 = Instant::now(); // evaluation time is not training throughput
             }
-            if done % t.checkpoint_every == 0 || last {
+            if done.is_multiple_of(t.checkpoint_every) || last {
                 self.state.elapsed_s = elapsed(&clock);
                 let path = checkpoint::save(
                     &self.run,

@@ -1,0 +1,70 @@
+//! Every config shipped in `configs/` parses, validates and means what its name says.
+
+use std::path::Path;
+
+use ffn::train::config::{ModelConfig, TaskConfig};
+use ffn::train::{DEFAULT_CONFIG, TrainConfig};
+use ffn::{Activation, Variant};
+
+fn configs() -> Vec<std::path::PathBuf> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("configs");
+    let mut files: Vec<_> = ["", "variants"]
+        .iter()
+        .flat_map(|sub| std::fs::read_dir(root.join(sub)).unwrap())
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "toml"))
+        .collect();
+    files.sort();
+    files
+}
+
+#[test]
+fn every_shipped_config_is_valid() {
+    let files = configs();
+    assert_eq!(files.len(), 5 + 8, "{files:?}");
+    for file in &files {
+        let config = TrainConfig::load(file, &[]).unwrap_or_else(|e| panic!("{e}"));
+        config.ffn().unwrap();
+    }
+}
+
+#[test]
+fn the_default_config_is_the_built_in_one_swiglu_on_the_markov_source() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let file = TrainConfig::load(&root.join("configs/default.toml"), &[]).unwrap();
+    assert_eq!(file, TrainConfig::from_toml(DEFAULT_CONFIG, &[]).unwrap());
+    assert!(matches!(file.task, TaskConfig::Markov(_)));
+    assert!(matches!(file.model, ModelConfig::Transformer(_)));
+    let ffn = file.ffn().unwrap();
+    assert_eq!(
+        (ffn.activation, ffn.gated, ffn.d_ff),
+        (Activation::Silu, true, 171)
+    );
+}
+
+#[test]
+fn each_variant_config_trains_its_variant_and_differs_only_there() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let default = TrainConfig::from_toml(DEFAULT_CONFIG, &[]).unwrap();
+    for variant in Variant::ALL {
+        let file = root.join(format!(
+            "configs/variants/{}.toml",
+            variant.name().to_lowercase()
+        ));
+        let config = TrainConfig::load(&file, &[]).unwrap();
+        let ffn = config.ffn().unwrap();
+        assert_eq!(
+            ffn,
+            ffn::FeedForwardConfig::preset(variant, 64),
+            "{}",
+            file.display()
+        );
+        let as_default = TrainConfig::load(&file, &["model.ffn.preset=SwiGLU".into()]).unwrap();
+        assert_eq!(
+            as_default,
+            default,
+            "{} differs from the default elsewhere",
+            file.display()
+        );
+    }
+}
