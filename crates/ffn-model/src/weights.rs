@@ -24,7 +24,7 @@
 use std::collections::HashMap;
 use std::fs;
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use burn::module::Param;
 use burn::nn::Linear;

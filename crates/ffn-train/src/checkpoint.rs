@@ -152,15 +152,22 @@ pub fn read_state(checkpoint: &Path, fingerprint: &str) -> Result<State> {
     Ok(state)
 }
 
-/// Loads a checkpoint's model into `model` (built from the run's config).
-pub fn load_model(checkpoint: &Path, model: Model) -> Result<Model> {
-    let path = checkpoint.join("model.bpk");
-    if !path.exists() {
-        return Err(Error::Checkpoint {
+/// A file of a checkpoint, which must exist.
+fn part(checkpoint: &Path, name: &str) -> Result<PathBuf> {
+    let path = checkpoint.join(name);
+    if path.exists() {
+        Ok(path)
+    } else {
+        Err(Error::Checkpoint {
             path,
             message: "missing: the checkpoint is incomplete".into(),
-        });
+        })
     }
+}
+
+/// Loads a checkpoint's model into `model` (built from the run's config).
+pub fn load_model(checkpoint: &Path, model: Model) -> Result<Model> {
+    let path = part(checkpoint, "model.bpk")?;
     model.try_load_file(&path).map_err(|e| Error::Checkpoint {
         path,
         message: format!("cannot load the model (corrupt, or from another model): {e}"),
@@ -169,13 +176,7 @@ pub fn load_model(checkpoint: &Path, model: Model) -> Result<Model> {
 
 /// Loads a checkpoint's optimiser state into `optim`.
 pub fn load_optim(checkpoint: &Path, optim: ModuleOptimizer) -> Result<ModuleOptimizer> {
-    let path = checkpoint.join("optim.bpk");
-    if !path.exists() {
-        return Err(Error::Checkpoint {
-            path,
-            message: "missing: the checkpoint is incomplete".into(),
-        });
-    }
+    let path = part(checkpoint, "optim.bpk")?;
     optim.load(&path).map_err(|e| Error::Checkpoint {
         path,
         message: format!("cannot load the optimiser state: {e}"),

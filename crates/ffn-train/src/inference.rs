@@ -7,40 +7,11 @@ use std::path::{Path, PathBuf};
 use burn::module::Module;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 
-use crate::checkpoint::{self, State};
 use crate::data::Vocab;
 use crate::model::Model;
 use crate::rng::Rng;
-use crate::training::{Loaded, evaluate, load_run};
+use crate::training::{evaluate, load_latest};
 use crate::{Error, Result};
-
-/// A run's model at its newest checkpoint.
-pub struct Trained {
-    /// Config, task and the model with the checkpoint's weights.
-    pub loaded: Loaded,
-    /// The checkpoint's state.
-    pub state: State,
-    /// The checkpoint folder.
-    pub checkpoint: PathBuf,
-}
-
-/// Loads the newest checkpoint of `run` on `device`.
-pub fn load_trained(run: &Path, device: &Device) -> Result<Trained> {
-    let loaded = load_run(run, device)?;
-    let checkpoint = checkpoint::list(run)?
-        .pop()
-        .ok_or_else(|| Error::Checkpoint {
-            path: checkpoint::folder(run),
-            message: "no checkpoint: the run has not saved a model yet".into(),
-        })?;
-    let state = checkpoint::read_state(&checkpoint, &loaded.fingerprint)?;
-    let model = checkpoint::load_model(&checkpoint, loaded.model)?;
-    Ok(Trained {
-        loaded: Loaded { model, ..loaded },
-        state,
-        checkpoint,
-    })
-}
 
 /// The validation loss of a trained run.
 #[derive(Debug, Clone, PartialEq)]
@@ -60,20 +31,18 @@ pub fn evaluate_run(run: &Path, device: &Device, batches: usize) -> Result<Evalu
     if batches == 0 {
         return Err(Error::Config("--batches must be at least 1".into()));
     }
-    let trained = load_trained(run, device)?;
-    let config = &trained.loaded.config;
+    let (loaded, state, checkpoint) = load_latest(run, device)?;
+    let config = &loaded.config;
     let eval_device = device.clone().inner();
-    let valid = trained.loaded.task.valid_batches(
-        config.seed,
-        batches,
-        config.train.batch_size,
-        &eval_device,
-    );
+    let valid =
+        loaded
+            .task
+            .valid_batches(config.seed, batches, config.train.batch_size, &eval_device);
     Ok(Evaluation {
-        step: trained.state.step,
-        loss: evaluate(&trained.loaded.model, &valid),
-        optimal_loss: trained.loaded.task.optimal_loss(),
-        checkpoint: trained.checkpoint,
+        step: state.step,
+        loss: evaluate(&loaded.model, &valid),
+        optimal_loss: loaded.task.optimal_loss(),
+        checkpoint,
     })
 }
 
@@ -103,8 +72,8 @@ pub fn sample(run: &Path, device: &Device, options: &SampleOptions) -> Result<St
     if options.top_k == Some(0) {
         return Err(Error::Config("--top-k must be at least 1".into()));
     }
-    let trained = load_trained(run, device)?;
-    let vocab: Vocab = trained.loaded.task.vocab().ok_or_else(|| {
+    let (loaded, _, _) = load_latest(run, device)?;
+    let vocab: Vocab = loaded.task.vocab().ok_or_else(|| {
         Error::Config("`sample` needs a language-model run; this one is a regression".into())
     })?;
     let mut tokens = vocab.encode(&options.prompt).map_err(Error::Config)?;
@@ -112,7 +81,7 @@ pub fn sample(run: &Path, device: &Device, options: &SampleOptions) -> Result<St
         tokens.push(0);
     }
     let prompt_len = tokens.len();
-    let model: Model = trained.loaded.model.valid();
+    let model: Model = loaded.model.valid();
     let max_context = model.max_context().unwrap_or(usize::MAX);
     let device = device.clone().inner();
     let mut rng = Rng::stream(options.seed, "sample", 0);

@@ -165,7 +165,8 @@ fn run(cli: Cli) -> Result<()> {
             let trainer = Trainer::start(config, &folder, &device)?;
             announce(&trainer, &device, "training");
             let folder = trainer.folder().to_path_buf();
-            report(&folder, trainer.run(&Progress::auto(0))?)
+            let progress = Progress::auto(trainer.config().train.steps);
+            report(&folder, trainer.run(&progress)?)
         }
         Command::Resume { run, device } => {
             let device = backend::device(device.as_deref())?;
@@ -175,7 +176,8 @@ fn run(cli: Cli) -> Result<()> {
                 &device,
                 &format!("resuming at step {}", trainer.step()),
             );
-            report(&run, trainer.run(&Progress::auto(0))?)
+            let progress = Progress::auto(trainer.config().train.steps);
+            report(&run, trainer.run(&progress)?)
         }
         Command::Eval {
             run,

@@ -196,6 +196,21 @@ pub fn load_run(run: &Path, device: &Device) -> Result<Loaded> {
     })
 }
 
+/// The run in folder `run` at its newest checkpoint: config, task and trained model, the
+/// checkpoint's state, and its folder.
+pub fn load_latest(run: &Path, device: &Device) -> Result<(Loaded, State, PathBuf)> {
+    let loaded = load_run(run, device)?;
+    let latest = checkpoint::list(run)?
+        .pop()
+        .ok_or_else(|| Error::Checkpoint {
+            path: checkpoint::folder(run),
+            message: "no checkpoint yet; start the run again with `ffn-train train`".into(),
+        })?;
+    let state = checkpoint::read_state(&latest, &loaded.fingerprint)?;
+    let model = checkpoint::load_model(&latest, loaded.model)?;
+    Ok((Loaded { model, ..loaded }, state, latest))
+}
+
 impl Trainer {
     /// Starts a new run in the folder `run` (which must not exist or be empty).
     pub fn start(mut config: TrainConfig, run: &Path, device: &Device) -> Result<Self> {
@@ -238,18 +253,8 @@ impl Trainer {
 
     /// Continues the run in folder `run` from its newest checkpoint.
     pub fn resume(run: &Path, device: &Device) -> Result<Self> {
-        let loaded = load_run(run, device)?;
-        let latest = checkpoint::list(run)?
-            .pop()
-            .ok_or_else(|| Error::Checkpoint {
-                path: checkpoint::folder(run),
-                message: "no checkpoint to resume from; start the run again with `ffn-train train`"
-                    .into(),
-            })?;
-        let state = checkpoint::read_state(&latest, &loaded.fingerprint)?;
+        let (loaded, state, latest) = load_latest(run, device)?;
         let optim = checkpoint::load_optim(&latest, optimizer(&loaded.config.train))?;
-        let model = checkpoint::load_model(&latest, loaded.model)?;
-        let loaded = Loaded { model, ..loaded };
         Self::assemble(run, loaded, optim, state, Some(latest), device)
     }
 
