@@ -100,6 +100,27 @@ pub enum Error {
         /// The dtype in the file.
         dtype: String,
     },
+    /// A Hugging Face `config.json` key that is missing or holds an unusable value.
+    #[error("{}: `{field}`: {message}", path.display())]
+    HfConfig {
+        /// The config file.
+        path: PathBuf,
+        /// The key.
+        field: String,
+        /// What is wrong with it.
+        message: String,
+    },
+    /// A layer index past the model's last layer.
+    #[error("layer {layer} is out of range: the model has {layers} layers (0..{layers})")]
+    LayerOutOfRange {
+        /// The index asked for.
+        layer: usize,
+        /// The model's number of layers.
+        layers: usize,
+    },
+    /// A naming scheme that cannot hold this network, or no FFN of a known scheme found.
+    #[error("{0}")]
+    Scheme(String),
     /// The file's `ffn.activation` metadata names an activation this version does not know.
     #[error("metadata `ffn.activation` = `{0}` is not a known activation")]
     Metadata(String),

@@ -33,12 +33,17 @@
 mod activation;
 mod config;
 mod error;
+pub mod hf;
 mod model;
 mod preset;
+pub mod reader;
+pub mod scheme;
 pub mod weights;
 
 pub use activation::Activation;
 pub use config::{DropoutAt, FeedForwardConfig};
 pub use error::{ConfigError, Error};
+pub use hf::HfModel;
 pub use model::FeedForward;
 pub use preset::Variant;
+pub use scheme::Scheme;

@@ -13,15 +13,19 @@
 //! | `down.weight` | `[d_model, d_ff]` |
 //! | `down.bias`   | `[d_model]`       |
 //!
-//! Loading is strict: the file must hold exactly the tensors the module has, with these shapes.
-//! F32 and F64 are read as they are, F16 and BF16 widened exactly; other dtypes are refused.
-//! Files written here carry the header metadata `ffn.activation` (and `format = pt`, as
-//! `transformers` writes); loading such a file adopts its activation, as burn records do.
+//! or in any other [`Scheme`] (Hugging Face BERT, T5, LLaMA, GPT-2, Meta's LLaMA, labml, the
+//! packed `w12` and `gate_up_proj` layouts), under a key prefix such as `model.layers.3.mlp.`.
+//!
+//! Loading is strict: the file must hold exactly the tensors the module has (under a prefix:
+//! exactly those of the scheme's names), with these shapes. F32 and F64 are read as they are,
+//! F16 and BF16 widened exactly; other dtypes are refused. Files written here carry the header
+//! metadata `ffn.activation` (and `format = pt`, as `transformers` writes); loading such a file
+//! adopts its activation, as burn records do.
 //!
 //! burn-store's `SafetensorsStore` is not used: its adapters and regex remapping cannot give a
-//! typed error per key, nor split and join the packed layouts other schemes use.
+//! typed error per key, nor split and join the packed layouts.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
 use std::io::Write;
 use std::path::Path;
@@ -29,21 +33,22 @@ use std::path::Path;
 use burn::module::Param;
 use burn::nn::Linear;
 use burn::tensor::{DType, Tensor, TensorData};
-use safetensors::{Dtype, SafeTensors, tensor::TensorView};
 
-use crate::{Activation, Error, FeedForward};
+use crate::reader::{TensorFile, TensorFiles};
+use crate::scheme::{Role, Slot};
+use crate::{Activation, Error, FeedForward, Scheme};
 
 const ACTIVATION_KEY: &str = "ffn.activation";
 
-/// One tensor as it goes to or comes from a file: PyTorch layout, f32 or f64.
+/// One tensor on its way to a file: its shape and data (f32 or f64).
 struct HostTensor {
     shape: Vec<usize>,
     data: TensorData,
 }
 
 impl FeedForward {
-    /// Loads weights from a safetensors file in PyTorch layout (see the [module
-    /// docs](crate::weights)), keeping this module's device.
+    /// Loads weights from a safetensors file with this crate's names in PyTorch layout (see the
+    /// [module docs](crate::weights)), keeping this module's device and dtype.
     ///
     /// Call it on a module built from the matching config, as with burn's `load_file`.
     ///
@@ -53,25 +58,50 @@ impl FeedForward {
     /// safetensors file, and [`Error::MissingTensor`], [`Error::UnexpectedTensor`],
     /// [`Error::Shape`] or [`Error::DType`] naming the first offending key.
     pub fn load_safetensors(self, path: impl AsRef<Path>) -> Result<Self, Error> {
-        let path = path.as_ref();
-        let bytes = fs::read(path).map_err(|source| Error::Io {
-            path: path.to_path_buf(),
-            source,
-        })?;
-        self.load_from_bytes(&bytes, path)
+        let mut files = TensorFiles::single(TensorFile::open(path.as_ref())?);
+        self.load_from(&mut files, Scheme::Native, "")
     }
 
     /// [`load_safetensors`](Self::load_safetensors) from bytes in memory.
     pub fn load_safetensors_bytes(self, bytes: &[u8]) -> Result<Self, Error> {
-        self.load_from_bytes(bytes, Path::new("<bytes>"))
+        let mut files = TensorFiles::single(TensorFile::from_bytes(bytes)?);
+        self.load_from(&mut files, Scheme::Native, "")
     }
 
-    /// Writes the weights to a safetensors file in PyTorch layout, atomically: the data goes to
-    /// a temporary file beside `path`, which then replaces `path`, so a failure leaves any
-    /// earlier file intact.
+    /// Loads the FFN stored under `prefix` (for example `model.layers.3.mlp.`, or `""`) in a
+    /// safetensors file, in the given naming scheme, or the one its keys show when `None`.
+    pub fn load_safetensors_as(
+        self,
+        path: impl AsRef<Path>,
+        scheme: Option<Scheme>,
+        prefix: &str,
+    ) -> Result<Self, Error> {
+        let mut files = TensorFiles::single(TensorFile::open(path.as_ref())?);
+        let scheme = match scheme {
+            Some(scheme) => scheme,
+            None => Scheme::detect(files.keys(), prefix)?.0,
+        };
+        self.load_from(&mut files, scheme, prefix)
+    }
+
+    /// Writes the weights to a safetensors file with this crate's names in PyTorch layout,
+    /// atomically: the data goes to a temporary file beside `path`, which then replaces `path`,
+    /// so a failure leaves any earlier file intact.
     pub fn save_safetensors(&self, path: impl AsRef<Path>) -> Result<(), Error> {
+        self.save_safetensors_as(path, Scheme::Native, "")
+    }
+
+    /// [`save_safetensors`](Self::save_safetensors) in another naming scheme, each key prefixed
+    /// by `prefix`: a file that `load_state_dict(strict=True)` of the matching PyTorch module
+    /// accepts (with `prefix = ""`).
+    pub fn save_safetensors_as(
+        &self,
+        path: impl AsRef<Path>,
+        scheme: Scheme,
+        prefix: &str,
+    ) -> Result<(), Error> {
         let path = path.as_ref();
-        let bytes = self.to_safetensors_bytes();
+        let bytes = self.to_safetensors_bytes_as(scheme, prefix)?;
         write_atomically(path, &bytes).map_err(|source| Error::Io {
             path: path.to_path_buf(),
             source,
@@ -80,111 +110,199 @@ impl FeedForward {
 
     /// The bytes [`save_safetensors`](Self::save_safetensors) writes.
     pub fn to_safetensors_bytes(&self) -> Vec<u8> {
-        let tensors: Vec<(String, HostTensor)> = self
-            .projections()
-            .into_iter()
-            .flat_map(|(name, linear)| {
-                let weight = to_pytorch(linear.weight.val());
-                let bias = linear.bias.as_ref().map(|b| to_pytorch(b.val()));
-                [
-                    (format!("{name}.weight"), Some(weight)),
-                    (format!("{name}.bias"), bias),
-                ]
-            })
-            .filter_map(|(key, tensor)| tensor.map(|t| (key, t)))
-            .collect();
-        let metadata = [("format", "pt"), (ACTIVATION_KEY, self.activation().name())];
-        serialize(&tensors, &metadata)
+        self.to_safetensors_bytes_as(Scheme::Native, "")
+            .expect("the native scheme holds every network")
     }
 
-    /// `(name, projection)` for each projection this module has, in file order.
-    fn projections(&self) -> Vec<(&'static str, &Linear)> {
-        let mut out = vec![("up", self.up())];
-        if let Some(gate) = self.gate() {
-            out.push(("gate", gate));
+    /// The bytes [`save_safetensors_as`](Self::save_safetensors_as) writes.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Scheme`] if the scheme cannot hold this network: a gated one in `bert` or
+    /// `gpt2`, an ungated one in a packed layout, a packed pair with one bias but not the other.
+    pub fn to_safetensors_bytes_as(&self, scheme: Scheme, prefix: &str) -> Result<Vec<u8>, Error> {
+        let gated = self.is_gated();
+        let mut tensors: Vec<(String, HostTensor)> = Vec::new();
+        // Packed halves, by key stem: [gate, up] each (weight, bias).
+        type Half = Option<(HostTensor, Option<HostTensor>)>;
+        let mut packs: BTreeMap<&str, [Half; 2]> = BTreeMap::new();
+        for (role, linear) in self.roles() {
+            let slot = scheme
+                .slot(role, gated)?
+                .expect("the module has this projection");
+            let weight = to_pytorch(linear.weight.val());
+            let bias = linear.bias.as_ref().map(|b| to_pytorch(b.val()));
+            let key = |suffix: &str| format!("{prefix}{}.{suffix}", slot.name());
+            match slot {
+                Slot::Linear(_) => {
+                    tensors.push((key("weight"), weight));
+                    tensors.extend(bias.map(|b| (key("bias"), b)));
+                }
+                Slot::Conv1d(_) => {
+                    let [out, inp] = [weight.shape[0], weight.shape[1]];
+                    let data = transpose(&weight.data, out, inp);
+                    tensors.push((
+                        key("weight"),
+                        HostTensor {
+                            shape: vec![inp, out],
+                            data,
+                        },
+                    ));
+                    tensors.extend(bias.map(|b| (key("bias"), b)));
+                }
+                Slot::Half(name, half) => {
+                    packs.entry(name).or_default()[half] = Some((weight, bias));
+                }
+            }
         }
-        out.push(("down", self.down()));
+        for (name, [gate, up]) in packs {
+            let ((gate_w, gate_b), (up_w, up_b)) = (gate.expect("gate"), up.expect("up"));
+            tensors.push((
+                format!("{prefix}{name}.weight"),
+                concat_rows(&gate_w, &up_w),
+            ));
+            match (gate_b, up_b) {
+                (Some(g), Some(u)) => {
+                    tensors.push((format!("{prefix}{name}.bias"), concat_rows(&g, &u)))
+                }
+                (None, None) => {}
+                _ => {
+                    return Err(Error::Scheme(format!(
+                        "`{name}` packs gate and up: their biases must both be present or both absent"
+                    )));
+                }
+            }
+        }
+        let metadata = [("format", "pt"), (ACTIVATION_KEY, self.activation().name())];
+        Ok(serialize(&tensors, &metadata))
+    }
+
+    /// `(role, projection)` for each projection this module has.
+    fn roles(&self) -> Vec<(Role, &Linear)> {
+        let mut out = Vec::new();
+        if let Some(gate) = self.gate() {
+            out.push((Role::Gate, gate));
+        }
+        out.push((Role::Up, self.up()));
+        out.push((Role::Down, self.down()));
         out
     }
 
-    fn load_from_bytes(self, bytes: &[u8], origin: &Path) -> Result<Self, Error> {
-        let corrupt = |e: safetensors::SafeTensorError| Error::Corrupt {
-            path: origin.to_path_buf(),
-            reason: e.to_string(),
-        };
-        let (_, metadata) = SafeTensors::read_metadata(bytes).map_err(corrupt)?;
-        let file = SafeTensors::deserialize(bytes).map_err(corrupt)?;
-
-        // Exactly the keys this module has: first what is missing, then what is left over.
-        let expected: Vec<(String, Vec<usize>)> = self
-            .projections()
-            .into_iter()
-            .flat_map(|(name, linear)| {
-                let [d_in, d_out] = linear.weight.lazy_shape().dims::<2>();
-                let weight = Some((format!("{name}.weight"), vec![d_out, d_in]));
-                let bias = linear
-                    .bias
-                    .is_some()
-                    .then(|| (format!("{name}.bias"), vec![d_out]));
-                [weight, bias]
-            })
-            .flatten()
-            .collect();
+    /// Loads the FFN under `prefix` in `scheme` from `files`.
+    pub(crate) fn load_from(
+        self,
+        files: &mut TensorFiles,
+        scheme: Scheme,
+        prefix: &str,
+    ) -> Result<Self, Error> {
         let gated = self.is_gated();
-        for (key, _) in &expected {
-            if file.tensor(key).is_err() {
-                return Err(Error::MissingTensor {
-                    hint: missing_hint(key, gated),
+        let mut consumed = BTreeSet::new();
+        // PyTorch-layout weight [out, in] and bias [out] of each role.
+        let mut loaded: Vec<(Role, TensorData, Option<TensorData>)> = Vec::new();
+        for (role, linear) in self.roles() {
+            let slot = scheme
+                .slot(role, gated)?
+                .expect("the module has this projection");
+            let [d_in, d_out] = linear.weight.lazy_shape().dims::<2>();
+            let key = |suffix: &str| format!("{prefix}{}.{suffix}", slot.name());
+            let mut read = |suffix: &str, shape: Vec<usize>| -> Result<TensorData, Error> {
+                let key = key(suffix);
+                let info = files.info(&key).ok_or_else(|| Error::MissingTensor {
+                    hint: missing_hint(role, suffix),
                     key: key.clone(),
-                });
-            }
+                })?;
+                if info.shape != shape {
+                    return Err(Error::Shape {
+                        key,
+                        expected: shape,
+                        actual: info.shape.clone(),
+                    });
+                }
+                consumed.insert(key.clone());
+                files.read_float(&key)
+            };
+            let (weight, bias) = match slot {
+                Slot::Linear(_) => (
+                    read("weight", vec![d_out, d_in])?,
+                    linear
+                        .bias
+                        .as_ref()
+                        .map(|_| read("bias", vec![d_out]))
+                        .transpose()?,
+                ),
+                Slot::Conv1d(_) => (
+                    transpose(&read("weight", vec![d_in, d_out])?, d_in, d_out),
+                    linear
+                        .bias
+                        .as_ref()
+                        .map(|_| read("bias", vec![d_out]))
+                        .transpose()?,
+                ),
+                Slot::Half(_, half) => (
+                    rows(
+                        &read("weight", vec![2 * d_out, d_in])?,
+                        half * d_out,
+                        d_out,
+                        d_in,
+                    ),
+                    linear
+                        .bias
+                        .as_ref()
+                        .map(|_| {
+                            Ok::<_, Error>(rows(
+                                &read("bias", vec![2 * d_out])?,
+                                half * d_out,
+                                d_out,
+                                1,
+                            ))
+                        })
+                        .transpose()?,
+                ),
+            };
+            loaded.push((role, weight, bias));
         }
-        let mut names = file.names();
-        names.sort_unstable();
-        if let Some(key) = names
-            .into_iter()
-            .find(|name| !expected.iter().any(|(key, _)| key == name))
-        {
+
+        // Under the prefix, every key with one of the scheme's names must have been used
+        // (without a prefix: every key of the file).
+        let stems = scheme.stems();
+        let unexpected = files.keys().find(|key| {
+            !consumed.contains(*key)
+                && key.strip_prefix(prefix).is_some_and(|rest| {
+                    prefix.is_empty() || stems.iter().any(|s| rest.starts_with(&format!("{s}.")))
+                })
+        });
+        if let Some(key) = unexpected {
             return Err(Error::UnexpectedTensor {
-                hint: unexpected_hint(key, gated),
+                hint: unexpected_hint(scheme, key.strip_prefix(prefix).unwrap_or(key), gated),
                 key: key.to_string(),
             });
         }
 
-        let mut tensors = HashMap::new();
-        for (key, shape) in expected {
-            let view = file.tensor(&key).map_err(corrupt)?;
-            if view.shape() != shape.as_slice() {
-                return Err(Error::Shape {
-                    key,
-                    expected: shape,
-                    actual: view.shape().to_vec(),
-                });
-            }
-            tensors.insert(key.clone(), read_tensor(&key, &view)?);
-        }
-
-        let activation = match metadata
-            .metadata()
-            .as_ref()
-            .and_then(|m| m.get(ACTIVATION_KEY))
-        {
+        let activation = match files.metadata(ACTIVATION_KEY) {
             Some(name) => Some(
                 name.parse::<Activation>()
-                    .map_err(|_| Error::Metadata(name.clone()))?,
+                    .map_err(|_| Error::Metadata(name.to_string()))?,
             ),
             None => None,
         };
 
         let mut module = self;
         let (gate, up, down) = module.parts_mut();
-        for (name, linear) in [("gate", gate), ("up", Some(up)), ("down", Some(down))] {
-            let Some(linear) = linear else { continue };
-            let weight = tensors.remove(&format!("{name}.weight")).expect("checked");
-            linear.weight = load_param(&linear.weight, from_pytorch(weight));
-            if let Some(bias) = linear.bias.as_mut() {
-                let data = tensors.remove(&format!("{name}.bias")).expect("checked");
-                *bias = load_param(bias, data.data);
+        let mut targets = [
+            (Role::Gate, gate),
+            (Role::Up, Some(up)),
+            (Role::Down, Some(down)),
+        ];
+        for (role, weight, bias) in loaded {
+            let linear = targets
+                .iter_mut()
+                .find(|(r, _)| *r == role)
+                .and_then(|(_, l)| l.as_deref_mut())
+                .expect("every loaded role has a projection");
+            let [out, inp] = [weight.shape()[0], weight.shape()[1]];
+            linear.weight = load_param(&linear.weight, transpose(&weight, out, inp));
+            if let (Some(param), Some(bias)) = (linear.bias.as_mut(), bias) {
+                *param = load_param(param, bias);
             }
         }
         Ok(match activation {
@@ -239,61 +357,41 @@ fn load_param<const D: usize>(param: &Param<Tensor<D>>, data: TensorData) -> Par
     param.clone().transform_for_load(tensor, param.id)
 }
 
-fn missing_hint(key: &str, gated: bool) -> String {
-    if key.starts_with("gate.") && gated {
+fn missing_hint(role: Role, suffix: &str) -> String {
+    if suffix == "bias" {
+        format!(
+            " (the file has no bias here: build the module with bias_{} = false)",
+            role.native()
+        )
+    } else if role == Role::Gate {
         " (is the file's network ungated? then build the module with gated = false)".into()
-    } else if key.ends_with(".bias") {
-        let name = key.trim_end_matches(".bias");
-        format!(" (the file has no bias here: build the module with bias_{name} = false)")
     } else {
         String::new()
     }
 }
 
-fn unexpected_hint(key: &str, gated: bool) -> String {
-    if key.starts_with("gate.") && !gated {
-        " (the file's network is gated: build the module with gated = true)".into()
-    } else if let Some(name) = key.strip_suffix(".bias") {
-        format!(" (the file has a bias here: build the module with bias_{name} = true)")
-    } else {
-        String::new()
-    }
-}
-
-/// Reads a float tensor as f32 (or f64 when stored so); F16 and BF16 widen exactly.
-fn read_tensor(key: &str, view: &TensorView<'_>) -> Result<HostTensor, Error> {
-    let bytes = view.data();
-    let shape = view.shape().to_vec();
-    let data = match view.dtype() {
-        Dtype::F32 => TensorData::new(decode(bytes, f32::from_le_bytes), shape.clone()),
-        Dtype::F64 => TensorData::new(decode(bytes, f64::from_le_bytes), shape.clone()),
-        Dtype::F16 => TensorData::new(
-            decode(bytes, |b| half::f16::from_le_bytes(b).to_f32()),
-            shape.clone(),
-        ),
-        Dtype::BF16 => TensorData::new(
-            decode(bytes, |b| half::bf16::from_le_bytes(b).to_f32()),
-            shape.clone(),
-        ),
-        other => {
-            return Err(Error::DType {
-                key: key.to_string(),
-                dtype: format!("{other:?}"),
-            });
-        }
+fn unexpected_hint(scheme: Scheme, key: &str, gated: bool) -> String {
+    let gate_only = |stem: &str| {
+        let in_gated = [Role::Gate, Role::Up, Role::Down]
+            .iter()
+            .any(|&r| matches!(scheme.slot(r, true), Ok(Some(s)) if s.name() == stem));
+        let in_ungated = [Role::Up, Role::Down]
+            .iter()
+            .any(|&r| matches!(scheme.slot(r, false), Ok(Some(s)) if s.name() == stem));
+        in_gated && !in_ungated
     };
-    Ok(HostTensor { shape, data })
+    let stem = key.rsplit_once('.').map_or(key, |(stem, _)| stem);
+    if !gated && gate_only(stem) {
+        " (the file's network is gated: build the module with gated = true)".into()
+    } else if key.ends_with(".bias") {
+        " (the file has a bias here: build the module with that bias on)".into()
+    } else {
+        String::new()
+    }
 }
 
-fn decode<const N: usize, T>(bytes: &[u8], f: impl Fn([u8; N]) -> T) -> Vec<T> {
-    bytes
-        .chunks_exact(N)
-        .map(|c| f(c.try_into().expect("chunk of N")))
-        .collect()
-}
-
-/// A burn tensor (`[d_input, d_output]` for a weight) to PyTorch layout (`[out, in]`), as f32
-/// unless it is f64.
+/// A burn tensor to a host tensor in PyTorch layout (`[out, in]` for a weight), as f32 unless
+/// it is f64.
 fn to_pytorch<const D: usize>(tensor: Tensor<D>) -> HostTensor {
     let data = tensor.into_data();
     let data = if data.dtype() == DType::F64 {
@@ -311,29 +409,71 @@ fn to_pytorch<const D: usize>(tensor: Tensor<D>) -> HostTensor {
     }
 }
 
-/// PyTorch's `[out, in]` weight to burn's `[in, out]`.
-fn from_pytorch(tensor: HostTensor) -> TensorData {
-    let [rows, cols] = [tensor.shape[0], tensor.shape[1]];
-    transpose(&tensor.data, rows, cols)
+/// Applies `f` to the values of f32 or f64 data.
+fn with_values(
+    data: &TensorData,
+    f32s: impl FnOnce(&[f32]) -> (Vec<f32>, Vec<usize>),
+    f64s: impl FnOnce(&[f64]) -> (Vec<f64>, Vec<usize>),
+) -> TensorData {
+    match data.dtype() {
+        DType::F64 => {
+            let (v, shape) = f64s(data.as_slice::<f64>().expect("f64"));
+            TensorData::new(v, shape)
+        }
+        _ => {
+            let (v, shape) = f32s(data.as_slice::<f32>().expect("f32"));
+            TensorData::new(v, shape)
+        }
+    }
 }
 
 /// The transpose of a row-major `[rows, cols]` matrix, copied into a new row-major buffer.
 fn transpose(data: &TensorData, rows: usize, cols: usize) -> TensorData {
-    fn t<E: burn::tensor::Element>(src: &[E], rows: usize, cols: usize) -> Vec<E> {
-        (0..cols)
+    fn t<E: Copy>(src: &[E], rows: usize, cols: usize) -> (Vec<E>, Vec<usize>) {
+        let v = (0..cols)
             .flat_map(|c| (0..rows).map(move |r| src[r * cols + c]))
-            .collect()
+            .collect();
+        (v, vec![cols, rows])
     }
-    match data.dtype() {
-        DType::F64 => TensorData::new(
-            t(data.as_slice::<f64>().expect("f64"), rows, cols),
-            [cols, rows],
-        ),
-        _ => TensorData::new(
-            t(data.as_slice::<f32>().expect("f32"), rows, cols),
-            [cols, rows],
-        ),
-    }
+    with_values(data, |s| t(s, rows, cols), |s| t(s, rows, cols))
+}
+
+/// Rows `start..start + count` of a row-major matrix with `cols` columns (a vector: `cols = 1`).
+fn rows(data: &TensorData, start: usize, count: usize, cols: usize) -> TensorData {
+    let shape = if data.shape().len() == 1 {
+        vec![count]
+    } else {
+        vec![count, cols]
+    };
+    let (s1, s2) = (shape.clone(), shape);
+    with_values(
+        data,
+        |s| (s[start * cols..(start + count) * cols].to_vec(), s1),
+        |s| (s[start * cols..(start + count) * cols].to_vec(), s2),
+    )
+}
+
+/// `[a; b]`: the rows of `a` then those of `b`.
+fn concat_rows(a: &HostTensor, b: &HostTensor) -> HostTensor {
+    let mut shape = a.shape.clone();
+    shape[0] += b.shape[0];
+    let (s1, s2) = (shape.clone(), shape.clone());
+    let data = with_values(
+        &a.data,
+        |x| {
+            (
+                [x, b.data.as_slice::<f32>().expect("same dtype")].concat(),
+                s1,
+            )
+        },
+        |x| {
+            (
+                [x, b.data.as_slice::<f64>().expect("same dtype")].concat(),
+                s2,
+            )
+        },
+    );
+    HostTensor { shape, data }
 }
 
 /// Writes `bytes` to a temporary file beside `path`, syncs it, and renames it over `path`.

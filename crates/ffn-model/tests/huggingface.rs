@@ -1,0 +1,400 @@
+//! Real checkpoints: tiny models made by `transformers` itself (`tools/hf_fixtures.py`: BERT,
+//! T5 with `relu` and `gated-gelu`, LLaMA, also sharded and in bfloat16, GPT-2). Each layer's
+//! FFN loaded here must reproduce the output of the model's own FFN submodule, and files
+//! exported in the model's naming must hold exactly the tensors `transformers` saved.
+//!
+//! Tolerance: 1e-5 absolute on outputs of order one (f32 throughout).
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use burn::tensor::{Tensor, TensorData};
+use common::{data_file, device};
+use ffn_model::{Activation, Error, FeedForwardConfig, HfModel, Scheme};
+use safetensors::SafeTensors;
+
+const TOLERANCE: f32 = 1e-5;
+
+fn folder(name: &str) -> PathBuf {
+    data_file(&format!("hf/{name}"))
+}
+
+/// `x` and the reference outputs `y.0`, `y.1` of a fixture.
+fn io(name: &str) -> BTreeMap<String, TensorData> {
+    let bytes = std::fs::read(folder(name).join("ffn_io.safetensors")).unwrap();
+    let file = SafeTensors::deserialize(&bytes).unwrap();
+    file.tensors()
+        .into_iter()
+        .map(|(k, v)| {
+            let values: Vec<f32> = v
+                .data()
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+                .collect();
+            (k, TensorData::new(values, v.shape().to_vec()))
+        })
+        .collect()
+}
+
+fn max_abs_diff(a: &TensorData, b: &TensorData) -> f32 {
+    a.iter::<f32>()
+        .zip(b.iter::<f32>())
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+#[test]
+fn every_model_type_reproduces_transformers() {
+    let expected: [(&str, Activation, bool, usize, Scheme); 7] = [
+        ("bert", Activation::Gelu, false, 40, Scheme::Bert),
+        ("t5-relu", Activation::Relu, false, 40, Scheme::T5),
+        ("t5-gated", Activation::GeluTanh, true, 40, Scheme::T5),
+        ("llama", Activation::Silu, true, 40, Scheme::Llama),
+        ("llama-sharded", Activation::Silu, true, 40, Scheme::Llama),
+        ("llama-bf16", Activation::Silu, true, 40, Scheme::Llama),
+        ("gpt2", Activation::GeluTanh, false, 64, Scheme::Gpt2),
+    ];
+    // Inference: no autodiff, so the configs' dropout (BERT 0.1, T5 0.1, GPT-2 0.1) is off, as
+    // in the reference's eval mode.
+    let device = burn::tensor::Device::flex();
+    let mut report = Vec::new();
+    for (name, activation, gated, d_ff, scheme) in expected {
+        let mut model = HfModel::open(folder(name)).unwrap();
+        assert_eq!(model.scheme(), scheme, "{name}");
+        assert_eq!(model.num_layers().unwrap(), 2);
+        let config = model.ffn_config().unwrap();
+        assert_eq!(
+            (config.d_model, config.d_ff, config.activation, config.gated),
+            (16, d_ff, activation, gated),
+            "{name}"
+        );
+        let io = io(name);
+        let mut worst = 0.0f32;
+        for layer in 0..2 {
+            let ffn = model.load_layer(layer, &device).unwrap();
+            let x = Tensor::<3>::from_data(io["x"].clone(), &device);
+            let y = ffn.forward(x).into_data();
+            let diff = max_abs_diff(&y, &io[&format!("y.{layer}")]);
+            assert!(diff <= TOLERANCE, "{name} layer {layer}: {diff:e}");
+            worst = worst.max(diff);
+        }
+        report.push(format!(
+            "{name:>14}: largest |ffn - transformers| = {worst:.1e}"
+        ));
+    }
+    println!("{}", report.join("\n"));
+}
+
+/// The prefix of each fixture's layer 1, as `transformers` wrote it.
+fn layer1_prefix(name: &str) -> &'static str {
+    match name {
+        "bert" => "bert.encoder.layer.1.",
+        "t5-relu" | "t5-gated" => "encoder.block.1.layer.1.DenseReluDense.",
+        "gpt2" => "transformer.h.1.mlp.",
+        _ => "model.layers.1.mlp.",
+    }
+}
+
+/// Exported in the model's own naming, the FFN file holds exactly the tensors (names, shapes,
+/// bits) that `transformers` saved for that layer: `load_state_dict(strict=True)` of the
+/// submodule accepts it and computes the same function. (`examples/hf_export.rs` with
+/// `tools/hf_fixtures.py --check-export` runs that check in PyTorch.)
+#[test]
+fn exported_files_hold_exactly_what_transformers_saved() {
+    let device = device();
+    for name in ["bert", "t5-relu", "t5-gated", "llama", "gpt2"] {
+        let mut model = HfModel::open(folder(name)).unwrap();
+        let ffn = model.load_layer(1, &device).unwrap();
+        let prefix = layer1_prefix(name);
+        let exported = ffn.to_safetensors_bytes_as(model.scheme(), prefix).unwrap();
+        let exported = SafeTensors::deserialize(&exported).unwrap();
+        let original = std::fs::read(folder(name).join("model.safetensors")).unwrap();
+        let original = SafeTensors::deserialize(&original).unwrap();
+        let stems = match name {
+            "bert" => vec!["intermediate.dense.", "output.dense."],
+            _ => vec![""],
+        };
+        let mut wanted: Vec<String> = original
+            .names()
+            .into_iter()
+            .filter(|k| k.starts_with(prefix) && !k.contains(".attention."))
+            .filter(|k| stems.iter().any(|s| k[prefix.len()..].starts_with(s)))
+            .map(str::to_string)
+            .collect();
+        wanted.sort();
+        let mut got: Vec<String> = exported.names().into_iter().map(str::to_string).collect();
+        got.sort();
+        assert_eq!(got, wanted, "{name}");
+        for key in &got {
+            let (a, b) = (exported.tensor(key).unwrap(), original.tensor(key).unwrap());
+            assert_eq!(a.shape(), b.shape(), "{name} {key}");
+            assert_eq!(a.dtype(), b.dtype(), "{name} {key}");
+            assert!(a.data() == b.data(), "{name} {key}: the values differ");
+        }
+    }
+}
+
+#[test]
+fn every_scheme_round_trips_and_is_detected() {
+    let device = device();
+    let gated = FeedForwardConfig::new(6, 10)
+        .with_gated(true)
+        .with_activation(Activation::Silu)
+        .with_bias_up(true)
+        .with_bias_gate(true)
+        .with_bias_down(true);
+    let ungated = FeedForwardConfig::new(6, 10)
+        .with_activation(Activation::Gelu)
+        .with_bias_up(true)
+        .with_bias_down(true);
+    let x = Tensor::<3>::ones([1, 2, 6], &device) * 0.5;
+    let dir = std::env::temp_dir().join(format!("ffn-schemes-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for config in [gated, ungated] {
+        let ffn = config.init(&device);
+        let expected = ffn.forward(x.clone()).into_data();
+        for scheme in Scheme::ALL {
+            let holds = if config.gated {
+                !matches!(scheme, Scheme::Bert | Scheme::Gpt2)
+            } else {
+                !matches!(scheme, Scheme::W12 | Scheme::GateUpProj)
+            };
+            let bytes = ffn.to_safetensors_bytes_as(scheme, "blocks.0.ffn.");
+            if !holds {
+                assert!(matches!(bytes, Err(Error::Scheme(_))), "{scheme}");
+                continue;
+            }
+            let path = dir.join(format!("{scheme}-{}.safetensors", config.gated));
+            std::fs::write(&path, bytes.unwrap()).unwrap();
+            let names: Vec<String> = {
+                let b = std::fs::read(&path).unwrap();
+                SafeTensors::deserialize(&b)
+                    .unwrap()
+                    .names()
+                    .into_iter()
+                    .map(str::to_string)
+                    .collect()
+            };
+            let detected =
+                Scheme::detect(names.iter().map(String::as_str), "blocks.0.ffn.").unwrap();
+            assert_eq!(detected, (scheme, config.gated), "{scheme}");
+            let loaded = config
+                .init(&device)
+                .load_safetensors_as(&path, None, "blocks.0.ffn.")
+                .unwrap();
+            assert_eq!(loaded.forward(x.clone()).into_data(), expected, "{scheme}");
+        }
+    }
+}
+
+#[test]
+fn packed_layouts_put_the_gate_first() {
+    let device = device();
+    let ffn = FeedForwardConfig::new(3, 4).with_gated(true).init(&device);
+    let native = ffn.to_safetensors_bytes();
+    let native = SafeTensors::deserialize(&native).unwrap();
+    for (scheme, key) in [
+        (Scheme::W12, "w12.weight"),
+        (Scheme::GateUpProj, "gate_up_proj.weight"),
+    ] {
+        let packed = ffn.to_safetensors_bytes_as(scheme, "").unwrap();
+        let packed = SafeTensors::deserialize(&packed).unwrap();
+        let view = packed.tensor(key).unwrap();
+        assert_eq!(view.shape(), [8, 3]);
+        let gate = native.tensor("gate.weight").unwrap();
+        let up = native.tensor("up.weight").unwrap();
+        assert_eq!(
+            &view.data()[..48],
+            gate.data(),
+            "{scheme}: first half is the gate"
+        );
+        assert_eq!(&view.data()[48..], up.data(), "{scheme}: second half is up");
+    }
+    // One bias of a packed pair cannot be written.
+    let one_bias = FeedForwardConfig::new(3, 4)
+        .with_gated(true)
+        .with_bias_up(true)
+        .init(&device);
+    assert!(matches!(
+        one_bias.to_safetensors_bytes_as(Scheme::W12, ""),
+        Err(Error::Scheme(_))
+    ));
+}
+
+/// A copy of a fixture folder with its config.json edited and/or tensors dropped or retyped.
+fn altered(
+    name: &str,
+    tag: &str,
+    edit_config: impl Fn(&mut serde_json::Value),
+    drop: &[&str],
+    int_key: Option<&str>,
+) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("ffn-hf-{}-{name}-{tag}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(folder(name).join("config.json")).unwrap())
+            .unwrap();
+    edit_config(&mut config);
+    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    let bytes = std::fs::read(folder(name).join("model.safetensors")).unwrap();
+    let file = SafeTensors::deserialize(&bytes).unwrap();
+    let kept: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = file
+        .tensors()
+        .into_iter()
+        .filter(|(k, _)| !drop.contains(&k.as_str()))
+        .map(|(k, v)| {
+            let dtype = if Some(k.as_str()) == int_key {
+                safetensors::Dtype::I32
+            } else {
+                v.dtype()
+            };
+            (k, dtype, v.shape().to_vec(), v.data().to_vec())
+        })
+        .collect();
+    let views = kept.iter().map(|(k, d, s, b)| {
+        (
+            k.clone(),
+            safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap(),
+        )
+    });
+    std::fs::write(
+        dir.join("model.safetensors"),
+        safetensors::serialize(views, None).unwrap(),
+    )
+    .unwrap();
+    dir
+}
+
+#[test]
+fn bad_folders_give_typed_errors_naming_the_key_or_field() {
+    let device = device();
+    let keep = |_: &mut serde_json::Value| {};
+
+    let mut model = HfModel::open(folder("llama")).unwrap();
+    let err = model.load_layer(2, &device).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::LayerOutOfRange {
+                layer: 2,
+                layers: 2
+            }
+        ),
+        "{err}"
+    );
+
+    let whisper = altered(
+        "llama",
+        "type",
+        |c| c["model_type"] = "whisper".into(),
+        &[],
+        None,
+    );
+    let err = HfModel::open(&whisper).err().unwrap();
+    assert!(
+        matches!(&err, Error::HfConfig { field, .. } if field == "model_type"),
+        "{err}"
+    );
+    assert!(
+        err.to_string().contains("whisper") && err.to_string().contains("llama"),
+        "{err}"
+    );
+
+    let act = altered(
+        "bert",
+        "act",
+        |c| c["hidden_act"] = "gleu".into(),
+        &[],
+        None,
+    );
+    let err = HfModel::open(&act).unwrap().ffn_config().unwrap_err();
+    assert!(
+        matches!(&err, Error::HfConfig { field, .. } if field == "hidden_act"),
+        "{err}"
+    );
+    assert!(
+        err.to_string().contains("gleu") && err.to_string().contains("gelu_tanh"),
+        "{err}"
+    );
+
+    let proj = altered(
+        "t5-gated",
+        "proj",
+        |c| c["feed_forward_proj"] = "gated-foo".into(),
+        &[],
+        None,
+    );
+    let err = HfModel::open(&proj).unwrap().ffn_config().unwrap_err();
+    assert!(
+        matches!(&err, Error::HfConfig { field, .. } if field == "feed_forward_proj"),
+        "{err}"
+    );
+
+    let size = altered(
+        "llama",
+        "size",
+        |c| {
+            c.as_object_mut().unwrap().remove("intermediate_size");
+        },
+        &[],
+        None,
+    );
+    let err = HfModel::open(&size).unwrap().ffn_config().unwrap_err();
+    assert!(
+        matches!(&err, Error::HfConfig { field, .. } if field == "intermediate_size"),
+        "{err}"
+    );
+
+    let missing = altered(
+        "llama",
+        "missing",
+        keep,
+        &["model.layers.1.mlp.up_proj.weight"],
+        None,
+    );
+    let mut model = HfModel::open(&missing).unwrap();
+    model.load_layer(0, &device).unwrap();
+    let err = model.load_layer(1, &device).unwrap_err();
+    assert!(
+        matches!(&err, Error::MissingTensor { key, .. } if key == "model.layers.1.mlp.up_proj.weight"),
+        "{err}"
+    );
+
+    let shape = altered(
+        "llama",
+        "shape",
+        |c| c["intermediate_size"] = 41.into(),
+        &[],
+        None,
+    );
+    let err = HfModel::open(&shape)
+        .unwrap()
+        .load_layer(0, &device)
+        .unwrap_err();
+    assert!(
+        matches!(&err, Error::Shape { key, .. } if key == "model.layers.0.mlp.gate_proj.weight"),
+        "{err}"
+    );
+
+    let dtype = altered(
+        "gpt2",
+        "dtype",
+        keep,
+        &[],
+        Some("transformer.h.0.mlp.c_fc.bias"),
+    );
+    let err = HfModel::open(&dtype)
+        .unwrap()
+        .load_layer(0, &device)
+        .unwrap_err();
+    assert!(
+        matches!(&err, Error::DType { key, dtype } if key == "transformer.h.0.mlp.c_fc.bias" && dtype == "I32"),
+        "{err}"
+    );
+
+    let err = HfModel::open(Path::new("/nonexistent")).err().unwrap();
+    assert!(matches!(err, Error::Io { .. }), "{err}");
+}

@@ -1,0 +1,140 @@
+#!/usr/bin/env python3
+"""Tiny Hugging Face models for ffn-model's loading tests, made locally by `transformers`.
+
+For each model type it builds a randomly initialised model from a small config (nothing is
+downloaded), saves it with `save_pretrained` into crates/ffn-model/tests/data/hf/<name>/, and
+records, for a fixed input x of shape [2, 3, hidden], the output of each layer's own FFN
+submodule in eval mode:
+
+    bert         BertForMaskedLM          layer.output.dense(layer.intermediate(x))
+    t5-relu      T5ForConditionalGeneration  encoder.block[i].layer[1].DenseReluDense(x)
+    t5-gated     (feed_forward_proj = "gated-gelu")
+    llama        LlamaForCausalLM         model.layers[i].mlp(x)
+    llama-sharded  the same, saved in several shards with an index file
+    llama-bf16   the same, saved in bfloat16 (outputs computed from the bf16 weights in f32)
+    gpt2         GPT2LMHeadModel          transformer.h[i].mlp(x)
+
+into <name>/ffn_io.safetensors (x, y.0, y.1). The Rust tests load each folder and compare.
+
+    pip install torch transformers safetensors && python3 tools/hf_fixtures.py
+
+With --check-export DIR it instead loads the files Rust exported into DIR (one per model,
+`<name>.layer1.safetensors`, in the model's own naming) into the model's FFN submodule with
+strict=True and compares its output with the Rust output stored beside them.
+"""
+
+import argparse
+import json
+import pathlib
+import shutil
+
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+OUT = pathlib.Path(__file__).resolve().parent.parent / "crates/ffn-model/tests/data/hf"
+HIDDEN, INTER = 16, 40
+
+
+def models():
+    common = dict(vocab_size=64)
+    bert = transformers.BertConfig(
+        **common, hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=INTER, max_position_embeddings=32, hidden_act="gelu",
+    )
+    t5 = dict(**common, d_model=HIDDEN, d_kv=8, d_ff=INTER, num_layers=2, num_heads=2,
+              decoder_start_token_id=0)
+    llama = transformers.LlamaConfig(
+        **common, hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32,
+    )
+    gpt2 = transformers.GPT2Config(**common, n_embd=HIDDEN, n_layer=2, n_head=2, n_positions=32)
+    return {
+        "bert": (transformers.BertForMaskedLM, bert,
+                 lambda m, i: lambda x: m.bert.encoder.layer[i].output.dense(m.bert.encoder.layer[i].intermediate(x))),
+        "t5-relu": (transformers.T5ForConditionalGeneration, transformers.T5Config(**t5, feed_forward_proj="relu"),
+                    lambda m, i: m.encoder.block[i].layer[1].DenseReluDense),
+        "t5-gated": (transformers.T5ForConditionalGeneration, transformers.T5Config(**t5, feed_forward_proj="gated-gelu"),
+                     lambda m, i: m.encoder.block[i].layer[1].DenseReluDense),
+        "llama": (transformers.LlamaForCausalLM, llama, lambda m, i: m.model.layers[i].mlp),
+        "gpt2": (transformers.GPT2LMHeadModel, gpt2, lambda m, i: m.transformer.h[i].mlp),
+    }
+
+
+def ffn_module(name, model, i):
+    """The module whose state dict an exported file must match (BERT's FFN is two modules)."""
+    if name == "bert":
+        layer = model.bert.encoder.layer[i]
+        module = torch.nn.Module()
+        module.intermediate = torch.nn.Module()
+        module.intermediate.dense = layer.intermediate.dense
+        module.output = torch.nn.Module()
+        module.output.dense = layer.output.dense
+        return module
+    return models()[name.replace("-sharded", "").replace("-bf16", "")][2](model, i)
+
+
+def make():
+    if OUT.exists():
+        shutil.rmtree(OUT)
+    for name, (cls, config, ffn) in models().items():
+        variants = [(name, None)]
+        if name == "llama":
+            variants += [("llama-sharded", "shards"), ("llama-bf16", "bf16")]
+        for folder_name, variant in variants:
+            torch.manual_seed(1234)
+            model = cls(config).eval()
+            with torch.no_grad():
+                for p in model.parameters():  # visible biases and larger weights than init
+                    p.normal_(0.0, 0.3)
+            folder = OUT / folder_name
+            if variant == "bf16":
+                model = model.to(torch.bfloat16)
+                model.save_pretrained(folder)
+                model = model.to(torch.float32)
+            elif variant == "shards":
+                model.save_pretrained(folder, max_shard_size="20KB")
+            else:
+                model.save_pretrained(folder)
+            x = torch.randn(2, 3, HIDDEN, generator=torch.Generator().manual_seed(7))
+            io = {"x": x}
+            with torch.no_grad():
+                for i in range(2):
+                    io[f"y.{i}"] = ffn(model, i)(x).contiguous()
+            save_file(io, str(folder / "ffn_io.safetensors"),
+                      metadata={"transformers": transformers.__version__, "torch": torch.__version__})
+            for junk in folder.glob("generation_config.json"):
+                junk.unlink()
+            size = sum(f.stat().st_size for f in folder.iterdir())
+            print(f"{folder_name}: {size} bytes, {sorted(f.name for f in folder.iterdir())}")
+
+
+def check_export(directory):
+    directory = pathlib.Path(directory)
+    worst = {}
+    for name in ["bert", "t5-relu", "t5-gated", "llama", "gpt2"]:
+        cls, config, _ = models()[name]
+        model = cls.from_pretrained(OUT / name).eval()
+        module = ffn_module(name, model, 1)
+        state = load_file(str(directory / f"{name}.layer1.safetensors"))
+        module.load_state_dict(state, strict=True)
+        io = load_file(str(OUT / name / "ffn_io.safetensors"))
+        rust = load_file(str(directory / f"{name}.layer1.output.safetensors"))["y"]
+        with torch.no_grad():
+            if name == "bert":
+                y = module.output.dense(model.bert.encoder.layer[1].intermediate.intermediate_act_fn(module.intermediate.dense(io["x"])))
+            else:
+                y = module(io["x"])
+        worst[name] = max((y - io["y.1"]).abs().max().item(), (y - rust).abs().max().item())
+        print(f"{name}: strict load ok, max |PyTorch(exported) - reference| = {worst[name]:.2e}")
+    assert all(v < 1e-5 for v in worst.values()), worst
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--check-export", metavar="DIR")
+    args = parser.parse_args()
+    if args.check_export:
+        check_export(args.check_export)
+    else:
+        make()
