@@ -34,6 +34,7 @@ mod activation;
 mod config;
 mod error;
 pub mod hf;
+pub mod inspect;
 mod model;
 mod preset;
 pub mod reader;

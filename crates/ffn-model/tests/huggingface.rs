@@ -398,3 +398,75 @@ fn bad_folders_give_typed_errors_naming_the_key_or_field() {
     let err = HfModel::open(Path::new("/nonexistent")).err().unwrap();
     assert!(matches!(err, Error::Io { .. }), "{err}");
 }
+
+#[test]
+fn ffns_are_found_in_any_file() {
+    use ffn_model::inspect::find_ffns;
+    use ffn_model::reader::{TensorFile, TensorFiles};
+    let open = |path: PathBuf| TensorFiles::single(TensorFile::open(&path).unwrap());
+
+    let t5 = find_ffns(&open(folder("t5-gated").join("model.safetensors")));
+    let prefixes: Vec<&str> = t5.iter().map(|f| f.prefix.as_str()).collect();
+    assert_eq!(
+        prefixes,
+        [
+            "decoder.block.0.layer.2.DenseReluDense.",
+            "decoder.block.1.layer.2.DenseReluDense.",
+            "encoder.block.0.layer.1.DenseReluDense.",
+            "encoder.block.1.layer.1.DenseReluDense.",
+        ]
+    );
+    let t5_config = HfModel::open(folder("t5-gated"))
+        .unwrap()
+        .ffn_config()
+        .unwrap();
+    for f in &t5 {
+        assert_eq!(f.scheme, Scheme::T5);
+        assert_eq!(
+            f.config,
+            t5_config
+                .clone()
+                .with_dropout(0.0)
+                .with_dropout_at(Default::default())
+        );
+        assert!(!f.activation_from_file);
+    }
+    for (name, scheme, bias) in [
+        ("bert", Scheme::Bert, true),
+        ("gpt2", Scheme::Gpt2, true),
+        ("llama", Scheme::Llama, false),
+    ] {
+        let found = find_ffns(&open(folder(name).join("model.safetensors")));
+        assert_eq!(found.len(), 2, "{name}: {found:?}");
+        let config = HfModel::open(folder(name)).unwrap().ffn_config().unwrap();
+        for f in found {
+            assert_eq!(f.scheme, scheme);
+            assert_eq!(
+                (f.config.d_model, f.config.d_ff, f.config.gated),
+                (config.d_model, config.d_ff, config.gated)
+            );
+            assert_eq!(
+                (f.config.bias_up, f.config.bias_down),
+                (bias, bias),
+                "{name}"
+            );
+            assert_eq!(f.config.activation, config.activation, "{name}");
+        }
+    }
+    // Files written here carry their activation.
+    let device = device();
+    let ffn = FeedForwardConfig::new(4, 8)
+        .with_gated(true)
+        .with_activation(Activation::Relu2)
+        .init(&device);
+    let path = std::env::temp_dir().join(format!("ffn-find-{}.safetensors", std::process::id()));
+    ffn.save_safetensors_as(&path, Scheme::W12, "mlp.").unwrap();
+    let found = find_ffns(&open(path));
+    assert_eq!(found.len(), 1);
+    assert_eq!(
+        (found[0].prefix.as_str(), found[0].scheme),
+        ("mlp.", Scheme::W12)
+    );
+    assert_eq!(found[0].config, ffn.config());
+    assert!(found[0].activation_from_file);
+}

@@ -63,6 +63,15 @@ enum Command {
         #[arg(long)]
         device: Option<String>,
     },
+    /// Show the tensors of a safetensors file or Hugging Face model folder, the FFNs in it, their
+    /// naming scheme and the FeedForwardConfig each would load with.
+    Inspect {
+        /// A .safetensors file, or a folder with config.json.
+        path: PathBuf,
+        /// List every tensor (default: the first 40).
+        #[arg(long)]
+        all: bool,
+    },
     /// Generate text with the newest checkpoint of a language-model run.
     Sample {
         /// The run folder.
@@ -198,6 +207,7 @@ fn run(cli: Cli) -> Result<()> {
             }
             Ok(())
         }
+        Command::Inspect { path, all } => inspect(&path, all),
         Command::Sample {
             run,
             prompt,
@@ -220,6 +230,92 @@ fn run(cli: Cli) -> Result<()> {
             Ok(())
         }
     }
+}
+
+fn inspect(path: &Path, all: bool) -> Result<()> {
+    use ffn_model::reader::{TensorFile, TensorFiles};
+    let model_error = |e: ffn_model::Error| ffn_train::Error::Config(e.to_string());
+    let files = if path.is_dir() {
+        let model = ffn_model::HfModel::open(path).map_err(model_error)?;
+        let layers = model.num_layers().map_err(model_error)?;
+        println!(
+            "{}: Hugging Face `{}` model, {layers} layers, FFN scheme `{}`",
+            path.display(),
+            model.model_type(),
+            model.scheme()
+        );
+        let config = model.ffn_config().map_err(model_error)?;
+        println!(
+            "FFN config (from config.json), every layer:\n{}",
+            config.to_toml()
+        );
+        for layer in 0..layers {
+            println!(
+                "layer {layer}: prefix `{}`",
+                model.layer_prefix(layer).map_err(model_error)?
+            );
+        }
+        model.tensors()
+    } else {
+        let file = TensorFile::open(path).map_err(model_error)?;
+        let mut metadata: Vec<_> = file.metadata().iter().collect();
+        metadata.sort();
+        println!(
+            "{}: safetensors file, {} tensors, metadata {metadata:?}",
+            path.display(),
+            file.tensors().len()
+        );
+        let files = TensorFiles::single(file);
+        let found = ffn_model::inspect::find_ffns(&files);
+        println!("FFNs found: {}", found.len());
+        for f in &found {
+            let c = &f.config;
+            println!(
+                "  `{}`: {} scheme, {}, d_model {}, d_ff {}, biases up/gate/down {}/{}/{}, activation {} ({})",
+                f.prefix,
+                f.scheme,
+                if c.gated { "gated" } else { "ungated" },
+                c.d_model,
+                c.d_ff,
+                c.bias_up,
+                c.bias_gate,
+                c.bias_down,
+                c.activation,
+                if f.activation_from_file {
+                    "from the file"
+                } else {
+                    "assumed: usual for the scheme"
+                },
+            );
+        }
+        if let Some(first) = found.first() {
+            println!(
+                "FeedForwardConfig of `{}`:\n{}",
+                first.prefix,
+                first.config.to_toml()
+            );
+        }
+        files
+            .keys()
+            .map(|k| {
+                let info = files.info(k).expect("listed");
+                (k.to_string(), info.dtype.clone(), info.shape.clone())
+            })
+            .collect()
+    };
+    let shown = if all {
+        files.len()
+    } else {
+        files.len().min(40)
+    };
+    println!("tensors ({}):", files.len());
+    for (key, dtype, shape) in &files[..shown] {
+        println!("  {key:<60} {dtype:<5} {shape:?}");
+    }
+    if shown < files.len() {
+        println!("  … {} more (--all lists them)", files.len() - shown);
+    }
+    Ok(())
 }
 
 fn announce(trainer: &Trainer, device: &burn::tensor::Device, what: &str) {

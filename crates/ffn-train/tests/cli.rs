@@ -361,3 +361,49 @@ fn text_files_train_byte_and_char_level() {
         assert!(out.status.success(), "{}", stderr(&out));
     }
 }
+
+#[test]
+fn inspect_shows_tensors_schemes_and_configs() {
+    let dir = scratch("cli-inspect");
+    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("../ffn-model/tests/data/hf");
+    let out = ffn_train(
+        &["inspect", fixtures.join("llama-sharded").to_str().unwrap()],
+        &dir,
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    for expected in [
+        "Hugging Face `llama` model, 2 layers, FFN scheme `llama`",
+        "d_ff = 40",
+        "activation = \"silu\"",
+        "layer 1: prefix `model.layers.1.mlp.`",
+        "tensors (21)",
+    ] {
+        assert!(text.contains(expected), "`{expected}` not in:\n{text}");
+    }
+    let out = ffn_train(
+        &[
+            "inspect",
+            fixtures.join("gpt2/model.safetensors").to_str().unwrap(),
+            "--all",
+        ],
+        &dir,
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    assert!(text.contains("FFNs found: 2"), "{text}");
+    assert!(
+        text.contains("`transformer.h.1.mlp.`: gpt2 scheme, ungated, d_model 16, d_ff 64"),
+        "{text}"
+    );
+    assert!(text.contains("transformer.h.1.mlp.c_fc.weight"), "{text}");
+    assert_error(
+        &ffn_train(&["inspect", "nowhere.safetensors"], &dir),
+        "nowhere.safetensors",
+    );
+    std::fs::write(dir.join("junk.safetensors"), b"not a tensor file at all").unwrap();
+    assert_error(
+        &ffn_train(&["inspect", "junk.safetensors"], &dir),
+        "not a valid safetensors file",
+    );
+}
