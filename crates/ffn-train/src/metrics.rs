@@ -178,7 +178,7 @@ impl Progress {
             let bar = ProgressBar::new(total_steps as u64);
             bar.set_style(
                 ProgressStyle::with_template(
-                    "{bar:30.cyan/blue} {pos}/{len} {msg} [{elapsed_precise} < {eta_precise}]",
+                    "{bar:30.cyan/blue} {msg} [{elapsed_precise} < {eta_precise}]",
                 )
                 .expect("valid template"),
             );
