@@ -184,12 +184,17 @@ pub fn load_run(run: &Path, device: &Device) -> Result<Loaded> {
         message: e.to_string(),
     })?;
     let task = Task::new(&config, device)?;
+    initialise(config, &text, task, device)
+}
+
+/// The initial model of a run whose config file holds `text`.
+fn initialise(config: TrainConfig, text: &str, task: Task, device: &Device) -> Result<Loaded> {
     // burn draws parameters lazily, at first use: draw them all now, from the init stream.
     device.seed(Rng::derive_seed(config.seed, "init", 0));
     let model = Model::new(&config, &task, device)?;
     model.visit(&mut Materialize);
     Ok(Loaded {
-        fingerprint: checkpoint::fingerprint(&text),
+        fingerprint: checkpoint::fingerprint(text),
         config,
         task,
         model,
@@ -235,20 +240,24 @@ impl Trainer {
             let json = serde_json::to_string(&vocab).expect("vocab serialises");
             write_atomically(&run.join("vocab.json"), json.as_bytes())?;
         }
-        let loaded = load_run(run, device)?;
+        // What `resume` will read back is exactly this config.
+        debug_assert_eq!(
+            TrainConfig::from_toml(&text, &[]).ok().as_ref(),
+            Some(&config)
+        );
+        let seed = config.seed;
+        let optim = optimizer(&config.train);
+        let loaded = initialise(config, &text, task, device)?;
         let state = State {
             step: 0,
-            rng: RngState {
-                seed: config.seed,
-                next_step: 0,
-            },
+            rng: RngState { seed, next_step: 0 },
             pending_loss: (0.0, 0),
             best_valid: None,
             tokens: 0,
             elapsed_s: 0.0,
             config_fingerprint: loaded.fingerprint.clone(),
         };
-        Self::assemble(run, loaded, optimizer(&config.train), state, None, device)
+        Self::assemble(run, loaded, optim, state, None, device)
     }
 
     /// Continues the run in folder `run` from its newest checkpoint.
