@@ -1,0 +1,64 @@
+#!/usr/bin/env python3
+"""One command, one session: runs benches/ffn.rs and tools/bench_torch.py with the same thread
+count, one after the other, and prints the ratio ffn/PyTorch of throughput per row (above 1:
+ffn is faster), as a Markdown table.
+
+    python3 tools/bench_compare.py [--features ndarray] [--repeats 5] [--variants ...]
+
+Needs `pip install torch`. Extra arguments before `--` go to cargo.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+here = os.path.dirname(os.path.abspath(__file__))
+root = os.path.dirname(here)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--features", default="")
+    parser.add_argument("--repeats", default="5")
+    parser.add_argument("--variants", default=None)
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    args = parser.parse_args()
+    env = dict(os.environ, RAYON_NUM_THREADS=str(args.threads))
+    with tempfile.NamedTemporaryFile(suffix=".jsonl", delete=False) as f:
+        rows_path = f.name
+    cargo = ["cargo", "bench", "--bench", "ffn"]
+    if args.features:
+        cargo += ["--features", args.features]
+    cargo += ["--", "--json", rows_path, "--repeats", args.repeats]
+    torch_cmd = [sys.executable, os.path.join(here, "bench_torch.py"), "--threads", str(args.threads),
+                 "--repeats", args.repeats]
+    if args.variants:
+        cargo += ["--variants", args.variants]
+        torch_cmd += ["--variants", args.variants]
+    subprocess.run(cargo, cwd=root, env=env, check=True)
+    ours = [json.loads(line) for line in open(rows_path)]
+    theirs = [json.loads(line) for line in subprocess.run(
+        torch_cmd, check=True, capture_output=True, text=True, env=env).stdout.splitlines()]
+    key = lambda r: (r["variant"], r["d_model"], r["tokens"], r["mode"])
+    torch_ms = {key(r): r["ms"] for r in theirs}
+    impls = sorted({r["impl"] for r in ours})
+    print(f"\n{args.threads} threads, median of {args.repeats}; ratio = PyTorch time / ffn time "
+          "(throughput ffn/PyTorch, above 1: ffn is faster)\n")
+    header = "| variant | d_model | d_ff | tokens | mode | PyTorch ms | " + " | ".join(
+        f"{i} ms | {i} ratio" for i in impls) + " |"
+    print(header)
+    print("|" + "---|" * (header.count("|") - 1))
+    for r in theirs:
+        cells = []
+        for i in impls:
+            mine = next((o for o in ours if o["impl"] == i and key(o) == key(r)), None)
+            cells.append(f"{mine['ms']:.1f} | {r['ms'] / mine['ms']:.2f}×" if mine else "- | -")
+        print(f"| {r['variant']} | {r['d_model']} | {r['d_ff']} | {r['tokens']} | {r['mode']} | "
+              f"{r['ms']:.1f} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+#!/usr/bin/env python3
+"""The PyTorch side of benches/ffn.rs: the same FFNs, shapes and three timings, with the same
+thread count, one JSON object per row on stdout.
+
+    python3 tools/bench_torch.py [--threads N] [--repeats N] [--variants SwiGLU,FFN_GELU]
+"""
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+SHAPES = [(512, 4096), (768, 2048)]
+VARIANTS = {  # name: (activation, gated)
+    "FFN_ReLU": (F.relu, False),
+    "FFN_GELU": (F.gelu, False),
+    "FFN_Swish": (F.silu, False),
+    "FFN_GLU": (torch.sigmoid, True),
+    "FFN_Bilinear": (lambda x: x, True),
+    "FFN_ReGLU": (F.relu, True),
+    "FFN_GEGLU": (F.gelu, True),
+    "FFN_SwiGLU": (F.silu, True),
+}
+
+
+class FeedForward(torch.nn.Module):
+    """y = down(act(gate(x)) * up(x)) or down(act(up(x))), no biases (Shazeer 2020)."""
+
+    def __init__(self, d_model, d_ff, act, gated):
+        super().__init__()
+        self.act = act
+        self.up = torch.nn.Linear(d_model, d_ff, bias=False)
+        self.gate = torch.nn.Linear(d_model, d_ff, bias=False) if gated else None
+        self.down = torch.nn.Linear(d_ff, d_model, bias=False)
+
+    def forward(self, x):
+        h = self.act(self.gate(x)) * self.up(x) if self.gate is not None else self.act(self.up(x))
+        return self.down(h)
+
+
+def d_ff(name, d_model):
+    """Parameter parity, as ffn-model's presets: 4·d_model, or round(8·d_model/3) gated."""
+    return (8 * d_model + 1) // 3 if VARIANTS[name][1] else 4 * d_model
+
+
+def median(repeats, f):
+    for _ in range(2):
+        f()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        f()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    for d_model, tokens in SHAPES:
+        for name in args.variants.split(","):
+            name = name if name.startswith("FFN_") else "FFN_" + name
+            act, gated = VARIANTS[name]
+            model = FeedForward(d_model, d_ff(name, d_model), act, gated)
+            x = torch.randn(tokens, d_model)
+
+            def forward():
+                with torch.no_grad():
+                    model(x).sum().item()
+
+            def backward():
+                model.zero_grad(set_to_none=True)
+                y = model(x)
+                (y * y).sum().backward()
+                model.down.weight.grad.sum().item()
+
+            optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+            def step():
+                optim.zero_grad(set_to_none=True)
+                y = model(x)
+                (y * y).sum().backward()
+                optim.step()
+                model.down.weight.sum().item()
+
+            for mode, f in [("forward", forward), ("fwd+bwd", backward), ("step", step)]:
+                ms = median(args.repeats, f) * 1e3
+                print(json.dumps({"impl": "pytorch", "variant": name, "d_model": d_model,
+                                  "d_ff": d_ff(name, d_model), "tokens": tokens, "mode": mode,
+                                  "ms": ms, "threads": args.threads}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
