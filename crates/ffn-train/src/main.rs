@@ -103,6 +103,13 @@ enum Level {
 }
 
 fn main() -> ExitCode {
+    // Like other command-line tools, end quietly when the reader of stdout goes away
+    // (`ffn-train inspect … | head`) instead of panicking on the failed write.
+    #[cfg(unix)]
+    // SAFETY: restoring the default disposition of SIGPIPE before any thread is started.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
     match run(Cli::parse()) {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
