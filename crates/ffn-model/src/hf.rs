@@ -296,12 +296,6 @@ impl HfModel {
 
     /// Every tensor of the model: key, dtype, shape.
     pub fn tensors(&self) -> Vec<(String, String, Vec<usize>)> {
-        self.files
-            .keys()
-            .map(|k| {
-                let info = self.files.info(k).expect("listed");
-                (k.to_string(), info.dtype.clone(), info.shape.clone())
-            })
-            .collect()
+        self.files.list()
     }
 }

@@ -247,6 +247,16 @@ impl TensorFiles {
         self.index.keys().map(String::as_str)
     }
 
+    /// Every tensor: key, dtype, shape, in key order.
+    pub fn list(&self) -> Vec<(String, String, Vec<usize>)> {
+        self.keys()
+            .map(|k| {
+                let info = self.info(k).expect("listed");
+                (k.to_string(), info.dtype.clone(), info.shape.clone())
+            })
+            .collect()
+    }
+
     /// Where a tensor is.
     pub fn info(&self, key: &str) -> Option<&TensorInfo> {
         self.index

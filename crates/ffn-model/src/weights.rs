@@ -476,8 +476,10 @@ fn concat_rows(a: &HostTensor, b: &HostTensor) -> HostTensor {
     HostTensor { shape, data }
 }
 
-/// Writes `bytes` to a temporary file beside `path`, syncs it, and renames it over `path`.
-pub(crate) fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+/// Writes `bytes` to a temporary file beside `path`, syncs it, and renames it over `path`:
+/// readers see the old file or the new one, never a part of it, and a failure leaves the old
+/// one as it was.
+pub fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     let dir = match path.parent() {
         Some(dir) if !dir.as_os_str().is_empty() => dir,
         _ => Path::new("."),

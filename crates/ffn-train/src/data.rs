@@ -309,11 +309,6 @@ impl TextCorpus {
     pub fn vocab(&self) -> &Vocab {
         &self.vocab
     }
-
-    /// Token counts of the two parts.
-    pub fn sizes(&self) -> (usize, usize) {
-        (self.train.len(), self.valid.len())
-    }
 }
 
 /// The target map of a regression task.

@@ -302,13 +302,7 @@ fn inspect(path: &Path, all: bool) -> Result<()> {
                 first.config.to_toml()
             );
         }
-        files
-            .keys()
-            .map(|k| {
-                let info = files.info(k).expect("listed");
-                (k.to_string(), info.dtype.clone(), info.shape.clone())
-            })
-            .collect()
+        files.list()
     };
     let shown = if all {
         files.len()

@@ -115,22 +115,9 @@ pub fn evaluate(model: &Model, batches: &[Batch]) -> f64 {
     total / batches.len() as f64
 }
 
-/// Writes `bytes` to a temporary file beside `path`, syncs it, and renames it over `path`.
+/// Writes a run file atomically (see [`ffn_model::weights::write_atomically`]).
 pub fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
-    let tmp = path.with_file_name(format!(
-        ".{}.tmp",
-        path.file_name()
-            .map_or("file".into(), |n| n.to_string_lossy())
-    ));
-    let result = (|| {
-        fs::write(&tmp, bytes)?;
-        fs::File::open(&tmp)?.sync_all()?;
-        fs::rename(&tmp, path)
-    })();
-    if result.is_err() {
-        let _ = fs::remove_file(&tmp);
-    }
-    result.map_err(Error::io(path))
+    ffn_model::weights::write_atomically(path, bytes).map_err(Error::io(path))
 }
 
 fn optimizer(t: &TrainSettings) -> ModuleOptimizer {
@@ -146,7 +133,6 @@ fn optimizer(t: &TrainSettings) -> ModuleOptimizer {
 pub struct Trainer {
     run: PathBuf,
     config: TrainConfig,
-    fingerprint: String,
     task: Task,
     device: Device,
     model: Model,
@@ -287,7 +273,6 @@ impl Trainer {
             metrics: Metrics::open(run, state.step)?,
             run: run.to_path_buf(),
             config: loaded.config,
-            fingerprint: loaded.fingerprint,
             task: loaded.task,
             device: device.clone(),
             model: loaded.model,
@@ -481,11 +466,6 @@ impl Trainer {
     /// The run folder.
     pub fn folder(&self) -> &Path {
         &self.run
-    }
-
-    /// The fingerprint of the run's config.
-    pub fn fingerprint(&self) -> &str {
-        &self.fingerprint
     }
 }
 
