@@ -63,6 +63,14 @@ pub struct FeedForwardConfig {
     /// Gate the hidden layer: `h = φ(gate(x)) ⊙ up(x)` (Shazeer 2020).
     #[serde(default)]
     pub gated: bool,
+    /// Hold `W_gate` and `W_up` of a gated network as one `d_model → 2·d_ff` projection
+    /// `[W_gate | W_up]` and compute both with one matrix product (the xformers `w12` / vLLM
+    /// `gate_up_proj` layout). The function, the parameter count and the safetensors files are
+    /// those of the unfused network; only the memory layout and the kernels differ. Needs
+    /// `gated` and `bias_gate == bias_up`. Off by default: on the CPU backends measured it is
+    /// slower (see BENCHMARKS.md).
+    #[serde(default)]
+    pub fused_gate_up: bool,
     /// Bias on the `up` projection.
     #[serde(default)]
     pub bias_up: bool,
@@ -106,6 +114,7 @@ impl FeedForwardConfig {
             d_ff,
             activation: default_activation(),
             gated: false,
+            fused_gate_up: false,
             bias_up: false,
             bias_gate: false,
             bias_down: false,
@@ -118,6 +127,12 @@ impl FeedForwardConfig {
     /// Sets the activation.
     pub fn with_activation(mut self, activation: Activation) -> Self {
         self.activation = activation;
+        self
+    }
+
+    /// Sets the fused `[W_gate | W_up]` projection (see [`fused_gate_up`](Self::fused_gate_up)).
+    pub fn with_fused_gate_up(mut self, fused: bool) -> Self {
+        self.fused_gate_up = fused;
         self
     }
 
@@ -176,6 +191,12 @@ impl FeedForwardConfig {
         }
         if self.bias_gate && !self.gated {
             return Err(ConfigError::GateBiasWithoutGating);
+        }
+        if self.fused_gate_up && !self.gated {
+            return Err(ConfigError::FusedWithoutGating);
+        }
+        if self.fused_gate_up && self.bias_gate != self.bias_up {
+            return Err(ConfigError::FusedBiasMismatch);
         }
         Ok(())
     }

@@ -18,6 +18,16 @@ pub enum ConfigError {
     /// `bias_gate` is set on an ungated network, which has no gate projection.
     #[error("`bias_gate = true` needs `gated = true`: an ungated network has no gate projection")]
     GateBiasWithoutGating,
+    /// `fused_gate_up` is set on an ungated network, which has no gate to fuse.
+    #[error(
+        "`fused_gate_up = true` needs `gated = true`: an ungated network has no gate projection"
+    )]
+    FusedWithoutGating,
+    /// `fused_gate_up` with a bias on one of the fused projections but not the other.
+    #[error(
+        "`fused_gate_up = true` needs `bias_gate` and `bias_up` equal: one fused projection has one bias"
+    )]
+    FusedBiasMismatch,
     /// An activation name that is neither a canonical name nor a known alias.
     #[error("unknown activation `{name}`; known: {known}")]
     UnknownActivation {

@@ -18,7 +18,7 @@
 //! `x` can have any rank: the network acts on its last dimension, so `[tokens, d_model]`,
 //! `[batch, seq, d_model]` and `[batch, heads, seq, d_model]` inputs all work.
 
-use burn::module::{Content, DisplaySettings, Module, ModuleDisplay};
+use burn::module::{Content, DisplaySettings, Module, ModuleDisplay, Param, ParamId};
 use burn::nn::{Dropout, DropoutConfig, Linear, LinearConfig};
 use burn::tensor::{Device, Tensor};
 
@@ -29,7 +29,8 @@ use crate::{Activation, DropoutAt, FeedForwardConfig};
 /// [`FeedForwardConfig::init`].
 ///
 /// Parameters (burn layout, `[d_input, d_output]`; PyTorch files hold the transpose):
-/// `up` `d_model → d_ff`, `gate` `d_model → d_ff` (gated only), `down` `d_ff → d_model`.
+/// `up` `d_model → d_ff`, `gate` `d_model → d_ff` (gated only), `down` `d_ff → d_model`;
+/// a fused gated network holds `gate_up` `d_model → 2·d_ff` instead of `gate` and `up`.
 /// The activation is recorded with them (as the integer tensor `activation`), so saving and
 /// loading with burn's records restores it.
 ///
@@ -45,10 +46,13 @@ use crate::{Activation, DropoutAt, FeedForwardConfig};
 #[derive(Module, Debug)]
 #[module(custom_display)]
 pub struct FeedForward {
-    /// `W_gate`, `b_gate`: the activated projection of a gated network.
+    /// `W_gate`, `b_gate`: the activated projection of a gated network (unfused).
     gate: Option<Linear>,
-    /// `W_up`, `b_up`: the activated projection (ungated) or the linear partner (gated).
-    up: Linear,
+    /// `W_up`, `b_up`: the activated projection (ungated) or the linear partner (gated, unfused).
+    up: Option<Linear>,
+    /// `[W_gate | W_up]`, `[b_gate | b_up]`: both projections of a gated network as one,
+    /// `d_model → 2·d_ff` (with [`FeedForwardConfig::fused_gate_up`]).
+    gate_up: Option<Linear>,
     /// `W_down`, `b_down`: back to `d_model`.
     down: Linear,
     dropout: Dropout,
@@ -67,11 +71,18 @@ impl FeedForward {
                 .with_initializer(config.initializer.clone())
                 .init(device)
         };
+        let gate = config
+            .gated
+            .then(|| linear(config.d_model, config.d_ff, config.bias_gate));
+        let up = linear(config.d_model, config.d_ff, config.bias_up);
+        let (gate, up, gate_up) = match gate {
+            Some(gate) if config.fused_gate_up => (None, None, Some(fuse_lazily(gate, up))),
+            gate => (gate, Some(up), None),
+        };
         Self {
-            gate: config
-                .gated
-                .then(|| linear(config.d_model, config.d_ff, config.bias_gate)),
-            up: linear(config.d_model, config.d_ff, config.bias_up),
+            gate,
+            up,
+            gate_up,
             down: linear(config.d_ff, config.d_model, config.bias_down),
             dropout: DropoutConfig::new(config.dropout).init(),
             dropout_at: config.dropout_at,
@@ -97,9 +108,16 @@ impl FeedForward {
 
         // h = φ(x W_gate + b_gate) ⊙ (x W_up + b_up)   (gated)
         // h = φ(x W_up + b_up)                         (ungated)
-        let h = match &self.gate {
-            Some(gate) => phi.forward(gate.forward(x.clone())) * self.up.forward(x),
-            None => phi.forward(self.up.forward(x)),
+        let h = match (&self.gate_up, &self.gate, &self.up) {
+            // [g | u] = x [W_gate | W_up] + [b_gate | b_up]: one product, then two views.
+            (Some(gate_up), _, _) => {
+                let d_ff = self.d_ff();
+                let gu = gate_up.forward(x);
+                phi.forward(gu.clone().narrow(D - 1, 0, d_ff)) * gu.narrow(D - 1, d_ff, d_ff)
+            }
+            (None, Some(gate), Some(up)) => phi.forward(gate.forward(x.clone())) * up.forward(x),
+            (None, None, Some(up)) => phi.forward(up.forward(x)),
+            (None, _, None) => unreachable!("an unfused network has `up`"),
         };
         let h = match self.dropout_at {
             DropoutAt::Hidden => self.dropout.forward(h),
@@ -114,14 +132,51 @@ impl FeedForward {
         }
     }
 
+    /// This network with `W_gate` and `W_up` as one projection `[W_gate | W_up]` (unchanged if
+    /// ungated or already fused). The fused weight keeps the id (and so the optimizer state
+    /// slot) of `id`, when given.
+    pub(crate) fn fused(mut self, id: Option<ParamId>) -> Self {
+        let (Some(gate), Some(up)) = (self.gate.take(), self.up.take()) else {
+            return self;
+        };
+        let weight = Tensor::cat(vec![gate.weight.val(), up.weight.val()], 1);
+        let bias = match (gate.bias, up.bias) {
+            (Some(g), Some(u)) => Some(Tensor::cat(vec![g.val(), u.val()], 0)),
+            _ => None,
+        };
+        self.gate_up = Some(Linear {
+            weight: trainable(weight, id),
+            bias: bias.map(|b| trainable(b, None)),
+        });
+        self
+    }
+
+    /// This network with separate `W_gate` and `W_up` (unchanged if not fused).
+    pub(crate) fn unfused(mut self) -> Self {
+        let Some(gate_up) = self.gate_up.take() else {
+            return self;
+        };
+        let d_ff = self.d_ff();
+        let (weight, bias) = (gate_up.weight.val(), gate_up.bias.map(|b| b.val()));
+        let half = |i: usize| Linear {
+            weight: trainable(weight.clone().narrow(1, i * d_ff, d_ff), None),
+            bias: bias
+                .clone()
+                .map(|b| trainable(b.narrow(0, i * d_ff, d_ff), None)),
+        };
+        self.gate = Some(half(0));
+        self.up = Some(half(1));
+        self
+    }
+
     /// Width of the input and output.
     pub fn d_model(&self) -> usize {
-        self.up.weight.lazy_shape().dims::<2>()[0]
+        self.down.weight.lazy_shape().dims::<2>()[1]
     }
 
     /// Width of the hidden layer.
     pub fn d_ff(&self) -> usize {
-        self.up.weight.lazy_shape().dims::<2>()[1]
+        self.down.weight.lazy_shape().dims::<2>()[0]
     }
 
     /// The activation `φ`.
@@ -131,17 +186,27 @@ impl FeedForward {
 
     /// Whether the hidden layer is gated.
     pub fn is_gated(&self) -> bool {
-        self.gate.is_some()
+        self.gate.is_some() || self.gate_up.is_some()
     }
 
-    /// The `up` projection (`d_model → d_ff`).
-    pub fn up(&self) -> &Linear {
-        &self.up
+    /// Whether `W_gate` and `W_up` are held as one projection.
+    pub fn is_fused(&self) -> bool {
+        self.gate_up.is_some()
     }
 
-    /// The `gate` projection (`d_model → d_ff`) of a gated network.
+    /// The `up` projection (`d_model → d_ff`); `None` when fused (see [`gate_up`](Self::gate_up)).
+    pub fn up(&self) -> Option<&Linear> {
+        self.up.as_ref()
+    }
+
+    /// The `gate` projection (`d_model → d_ff`) of a gated, unfused network.
     pub fn gate(&self) -> Option<&Linear> {
         self.gate.as_ref()
+    }
+
+    /// The fused `[W_gate | W_up]` projection (`d_model → 2·d_ff`) of a fused network.
+    pub fn gate_up(&self) -> Option<&Linear> {
+        self.gate_up.as_ref()
     }
 
     /// The `down` projection (`d_ff → d_model`).
@@ -155,8 +220,9 @@ impl FeedForward {
         FeedForwardConfig::new(self.d_model(), self.d_ff())
             .with_activation(self.activation())
             .with_gated(self.is_gated())
-            .with_bias_up(self.up.bias.is_some())
-            .with_bias_gate(self.gate.as_ref().is_some_and(|g| g.bias.is_some()))
+            .with_fused_gate_up(self.is_fused())
+            .with_bias_up(self.bias_up())
+            .with_bias_gate(self.bias_gate())
             .with_bias_down(self.down.bias.is_some())
             .with_dropout(self.dropout.prob)
             .with_dropout_at(self.dropout_at)
@@ -174,14 +240,63 @@ impl FeedForward {
         self.config().flops_per_token()
     }
 
+    fn bias_up(&self) -> bool {
+        [&self.up, &self.gate_up]
+            .iter()
+            .any(|l| l.as_ref().is_some_and(|l| l.bias.is_some()))
+    }
+
+    fn bias_gate(&self) -> bool {
+        [&self.gate, &self.gate_up]
+            .iter()
+            .any(|l| l.as_ref().is_some_and(|l| l.bias.is_some()))
+    }
+
+    /// The unfused projections, for loading: `(gate, up, down)`.
     pub(crate) fn parts_mut(&mut self) -> (Option<&mut Linear>, &mut Linear, &mut Linear) {
-        (self.gate.as_mut(), &mut self.up, &mut self.down)
+        let up = self.up.as_mut().expect("an unfused network has `up`");
+        (self.gate.as_mut(), up, &mut self.down)
+    }
+
+    /// The id of the fused projection's weight, if any.
+    pub(crate) fn gate_up_id(&self) -> Option<ParamId> {
+        self.gate_up.as_ref().map(|l| l.weight.id)
     }
 
     pub(crate) fn set_activation(mut self, activation: Activation) -> Self {
         self.activation = self.activation.set(activation);
         self
     }
+}
+
+/// `[gate | up]` as one projection whose parameters are drawn when first used (as burn's own
+/// are), by drawing `gate`'s and then `up`'s: a fused network starts from the same weights as
+/// the unfused one from the same seed, and the device RNG is used in the same order.
+fn fuse_lazily(gate: Linear, up: Linear) -> Linear {
+    fn join<const D: usize>(halves: [Param<Tensor<D>>; 2]) -> Param<Tensor<D>> {
+        let mut shape = halves[0].lazy_shape();
+        shape[D - 1] *= 2;
+        let device = halves[0].lazy_device();
+        let init = move |_: &Device, require_grad: bool| {
+            let joined = Tensor::cat(halves.map(|p| p.val()).to_vec(), D - 1).detach();
+            burn::module::Parameter::set_require_grad(joined, require_grad)
+        };
+        Param::uninitialized(ParamId::new(), init, device, true, shape)
+    }
+    Linear {
+        weight: join([gate.weight, up.weight]),
+        bias: gate.bias.zip(up.bias).map(|(g, u)| join([g, u])),
+    }
+}
+
+/// A new trainable parameter holding `value` (detached from any graph it was computed in),
+/// with the id `id` or a fresh one.
+fn trainable<const D: usize>(value: Tensor<D>, id: Option<ParamId>) -> Param<Tensor<D>> {
+    let mut param = Param::from_tensor(value.detach());
+    if let Some(id) = id {
+        param.id = id;
+    }
+    param
 }
 
 impl ModuleDisplay for FeedForward {
@@ -201,11 +316,9 @@ impl ModuleDisplay for FeedForward {
             .add("d_ff", &self.d_ff())
             .add("activation", self.activation().name())
             .add("gated", &self.is_gated())
-            .add("bias_up", &self.up.bias.is_some())
-            .add(
-                "bias_gate",
-                &self.gate.as_ref().is_some_and(|g| g.bias.is_some()),
-            )
+            .add("fused_gate_up", &self.is_fused())
+            .add("bias_up", &self.bias_up())
+            .add("bias_gate", &self.bias_gate())
             .add("bias_down", &self.down.bias.is_some())
             .add("dropout", &self.dropout.prob)
             .add("dropout_at", dropout_at)

@@ -121,6 +121,13 @@ impl FeedForward {
     /// [`Error::Scheme`] if the scheme cannot hold this network: a gated one in `bert` or
     /// `gpt2`, an ungated one in a packed layout, a packed pair with one bias but not the other.
     pub fn to_safetensors_bytes_as(&self, scheme: Scheme, prefix: &str) -> Result<Vec<u8>, Error> {
+        // A fused network is stored as the unfused one it computes.
+        if self.is_fused() {
+            return self
+                .clone()
+                .unfused()
+                .to_safetensors_bytes_as(scheme, prefix);
+        }
         let gated = self.is_gated();
         let mut tensors: Vec<(String, HostTensor)> = Vec::new();
         // Packed halves, by key stem: [gate, up] each (weight, bias).
@@ -183,7 +190,7 @@ impl FeedForward {
         if let Some(gate) = self.gate() {
             out.push((Role::Gate, gate));
         }
-        out.push((Role::Up, self.up()));
+        out.push((Role::Up, self.up().expect("an unfused network has `up`")));
         out.push((Role::Down, self.down()));
         out
     }
@@ -195,6 +202,13 @@ impl FeedForward {
         scheme: Scheme,
         prefix: &str,
     ) -> Result<Self, Error> {
+        // A fused network loads the unfused names, then joins them again.
+        if let Some(id) = self.gate_up_id() {
+            return Ok(self
+                .unfused()
+                .load_from(files, scheme, prefix)?
+                .fused(Some(id)));
+        }
         let gated = self.is_gated();
         let mut consumed = BTreeSet::new();
         // PyTorch-layout weight [out, in] and bias [out] of each role.

@@ -127,30 +127,41 @@ fn check_rank<const R: usize>(
         scaled_error(&dx.into_data(), &read_f64(file, &key("dx"))),
     );
 
-    let mut params: HashMap<&str, Tensor<2>> = HashMap::new();
-    let mut biases: HashMap<&str, Tensor<1>> = HashMap::new();
+    // Gradient of every parameter, by PyTorch name ("up.weight", ...); a fused module's
+    // `gate_up` gradient is split into the gate and up halves it holds.
+    let mut param_grads: HashMap<String, TensorData> = HashMap::new();
     for (name, linear) in [
-        ("up", Some(ffn.up())),
+        ("up", ffn.up()),
         ("gate", ffn.gate()),
         ("down", Some(ffn.down())),
     ] {
         let Some(linear) = linear else { continue };
-        params.insert(name, linear.weight.val());
+        let weight = linear.weight.val().grad(&grads).expect("weight gradient");
+        param_grads.insert(format!("{name}.weight"), weight.into_data());
         if let Some(b) = &linear.bias {
-            biases.insert(name, b.val());
+            let bias = b.val().grad(&grads).expect("bias gradient");
+            param_grads.insert(format!("{name}.bias"), bias.into_data());
+        }
+    }
+    if let Some(gate_up) = ffn.gate_up() {
+        let d_ff = ffn.d_ff();
+        let weight = gate_up.weight.val().grad(&grads).expect("gate_up gradient");
+        let bias = gate_up
+            .bias
+            .as_ref()
+            .map(|b| b.val().grad(&grads).expect("bias"));
+        for (i, name) in ["gate", "up"].into_iter().enumerate() {
+            let w = weight.clone().narrow(1, i * d_ff, d_ff);
+            param_grads.insert(format!("{name}.weight"), w.into_data());
+            if let Some(b) = &bias {
+                let b = b.clone().narrow(0, i * d_ff, d_ff);
+                param_grads.insert(format!("{name}.bias"), b.into_data());
+            }
         }
     }
     for p in PARAMS {
         let golden = format!("{case}/r{R}/grad/{p}");
-        let (name, kind) = p.split_once('.').unwrap();
-        let grad = match kind {
-            "weight" => params
-                .get(name)
-                .map(|t| t.grad(&grads).expect(p).into_data()),
-            _ => biases
-                .get(name)
-                .map(|t| t.grad(&grads).expect(p).into_data()),
-        };
+        let grad = param_grads.remove(p);
         match (grad, file.tensor(&golden).is_ok()) {
             (Some(grad), true) => {
                 let expected = to_burn_layout(read_f64(file, &golden));
@@ -197,15 +208,33 @@ fn outputs_and_gradients_match_pytorch() {
                     .into_iter()
                     .enumerate()
             {
-                let ffn = config
-                    .init(&device)
-                    .map(&mut Cast(dtype))
-                    .load_safetensors_bytes(&weights)
-                    .unwrap();
-                assert_eq!(ffn.up().weight.val().dtype(), dtype);
-                let mut errors = check_rank::<2>(&ffn, &file, &case.name, dtype);
-                errors.extend(check_rank::<3>(&ffn, &file, &case.name, dtype));
-                errors.extend(check_rank::<4>(&ffn, &file, &case.name, dtype));
+                // Gated networks with both or neither of the gate and up biases also run
+                // fused: it must compute the same function from the same file.
+                let fusable = case.gated && bias_up == bias_gate;
+                let mut errors = BTreeMap::new();
+                for fused in [false, true].into_iter().take(1 + usize::from(fusable)) {
+                    let ffn = config
+                        .clone()
+                        .with_fused_gate_up(fused)
+                        .init(&device)
+                        .map(&mut Cast(dtype))
+                        .load_safetensors_bytes(&weights)
+                        .unwrap();
+                    assert_eq!(ffn.down().weight.val().dtype(), dtype);
+                    assert_eq!(ffn.is_fused(), fused);
+                    let tag = if fused { " (fused)" } else { "" };
+                    // Keyed by rank too: every rank's every tensor is asserted.
+                    let ranks = [
+                        check_rank::<2>(&ffn, &file, &case.name, dtype),
+                        check_rank::<3>(&ffn, &file, &case.name, dtype),
+                        check_rank::<4>(&ffn, &file, &case.name, dtype),
+                    ];
+                    for (rank, rank_errors) in (2..).zip(ranks) {
+                        for (what, error) in rank_errors {
+                            errors.insert(format!("r{rank} {what}{tag}"), error);
+                        }
+                    }
+                }
                 for (what, error) in errors {
                     checked += 1;
                     assert!(

@@ -105,7 +105,7 @@ fn check(config: &FeedForwardConfig, rng: &mut Rng) -> f64 {
     // (name, analytic gradient) for the input and every parameter.
     let mut tensors = vec![("x".to_string(), x.grad(&grads).unwrap().into_data())];
     let projections = [
-        ("up", Some(ffn.up())),
+        ("up", ffn.up()),
         ("gate", ffn.gate()),
         ("down", Some(ffn.down())),
     ];

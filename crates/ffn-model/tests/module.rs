@@ -181,7 +181,7 @@ fn gradients_flow_to_every_parameter() {
         let x = Tensor::<3>::random([2, 3, 8], Distribution::Normal(0.0, 1.0), &device);
         let grads = ffn.forward(x).powi_scalar(2).sum().backward();
         let mut count = 0;
-        for linear in [Some(ffn.up()), ffn.gate(), Some(ffn.down())]
+        for linear in [ffn.up(), ffn.gate(), Some(ffn.down())]
             .into_iter()
             .flatten()
         {

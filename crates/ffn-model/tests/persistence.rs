@@ -233,12 +233,20 @@ fn half_precision_files_are_widened() {
         let loaded = config.init(&device).load_safetensors_bytes(&bytes).unwrap();
         let expected: Vec<f32> = reference
             .up()
+            .unwrap()
             .weight
             .val()
             .into_data()
             .try_to_vec()
             .unwrap();
-        let actual: Vec<f32> = loaded.up().weight.val().into_data().try_to_vec().unwrap();
+        let actual: Vec<f32> = loaded
+            .up()
+            .unwrap()
+            .weight
+            .val()
+            .into_data()
+            .try_to_vec()
+            .unwrap();
         let rounded: Vec<f32> = expected
             .iter()
             .map(|v| match dtype {
@@ -457,13 +465,14 @@ fn loading_keeps_the_device_and_gradients() {
         .init(&device)
         .load_safetensors_bytes(&bytes)
         .unwrap();
-    assert_eq!(loaded.up().weight.val().device(), device);
+    assert_eq!(loaded.up().unwrap().weight.val().device(), device);
     let x = Tensor::<2>::ones([3, 4], &device);
     let grads = loaded.forward(x).sum().backward();
-    assert!(loaded.up().weight.val().grad(&grads).is_some());
+    assert!(loaded.up().unwrap().weight.val().grad(&grads).is_some());
     assert!(
         loaded
             .up()
+            .unwrap()
             .bias
             .as_ref()
             .unwrap()

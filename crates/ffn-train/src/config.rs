@@ -9,6 +9,7 @@
 use std::path::{Path, PathBuf};
 
 use burn::nn::Initializer;
+use burn::tensor::Device;
 use ffn_model::{Activation, DropoutAt, FeedForwardConfig, Variant};
 use serde::{Deserialize, Serialize};
 
@@ -264,6 +265,9 @@ pub struct FfnSpec {
     /// Gating (default: the preset's, else off).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gated: Option<bool>,
+    /// Compute `gate` and `up` as one fused `d_model → 2·d_ff` product (default off; gated only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fused_gate_up: Option<bool>,
     /// Biases on every projection there is (default off).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bias: Option<bool>,
@@ -328,6 +332,7 @@ impl FfnSpec {
         if let Some(gated) = self.gated {
             config.gated = gated;
         }
+        config.fused_gate_up = self.fused_gate_up.unwrap_or(config.fused_gate_up);
         if let Some(bias) = self.bias {
             config.bias_up = bias;
             config.bias_gate = bias && config.gated;
@@ -378,6 +383,20 @@ pub struct TrainSettings {
     pub checkpoint_every: usize,
     /// Checkpoints kept: older ones are deleted.
     pub keep_checkpoints: usize,
+    /// burn's gradient checkpointing: recompute memory-bound activations (the FFN's `φ`, …)
+    /// in the backward pass instead of keeping them, for less memory at some compute.
+    pub gradient_checkpointing: bool,
+}
+
+impl TrainSettings {
+    /// `device` as training uses it: with gradient checkpointing when configured.
+    pub fn device(&self, device: &Device) -> Device {
+        if self.gradient_checkpointing && device.is_autodiff() {
+            device.clone().gradient_checkpointing()
+        } else {
+            device.clone()
+        }
+    }
 }
 
 impl Default for TrainSettings {
@@ -397,6 +416,7 @@ impl Default for TrainSettings {
             log_every: 10,
             checkpoint_every: 250,
             keep_checkpoints: 3,
+            gradient_checkpointing: false,
         }
     }
 }

@@ -169,6 +169,7 @@ pub fn load_run(run: &Path, device: &Device) -> Result<Loaded> {
         path: path.clone(),
         message: e.to_string(),
     })?;
+    let device = &config.train.device(device);
     let task = Task::new(&config, device)?;
     initialise(config, &text, task, device)
 }
@@ -216,6 +217,7 @@ impl Trainer {
         if let TaskConfig::Text(t) = &mut config.task {
             t.path = fs::canonicalize(&t.path).map_err(Error::io(&t.path))?;
         }
+        let device = &config.train.device(device);
         // Build the task first: a bad text file is reported before the folder is created.
         let task = Task::new(&config, device)?;
         fs::create_dir_all(run).map_err(Error::io(run))?;
@@ -262,6 +264,7 @@ impl Trainer {
         device: &Device,
     ) -> Result<Self> {
         let t = &loaded.config.train;
+        let device = &t.device(device);
         let eval_device = device.clone().inner();
         let valid = loaded.task.valid_batches(
             loaded.config.seed,
