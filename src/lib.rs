@@ -31,6 +31,16 @@ pub fn cpu() -> Device {
     return Device::ndarray();
 }
 
+/// The wgpu device (feature `wgpu`): the adapter wgpu prefers, initialised once per process.
+///
+/// # Errors
+///
+/// [`train::Error::Device`] when no adapter can be initialised (no GPU driver, no Vulkan, …).
+#[cfg(feature = "wgpu")]
+pub fn wgpu() -> Result<Device, train::Error> {
+    ffn_train::backend::wgpu()
+}
+
 /// The README's Rust examples, compiled and run as doctests.
 #[cfg(doctest)]
 #[doc = include_str!("../README.md")]

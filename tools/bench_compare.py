@@ -4,6 +4,10 @@ count, one after the other, and prints the ratio ffn/PyTorch of throughput per r
 ffn is faster), as a Markdown table.
 
     python3 tools/bench_compare.py [--features ndarray] [--repeats 5] [--variants ...]
+    python3 tools/bench_compare.py --memory [--features ndarray] [--variants ...]
+
+--memory compares the peak memory of a training step instead (both sides: three AdamW steps,
+resident-set high-water mark above the resident set before them, a fresh process each).
 
 Needs `pip install torch`. Extra arguments before `--` go to cargo.
 """
@@ -25,6 +29,7 @@ def main():
     parser.add_argument("--repeats", default="5")
     parser.add_argument("--variants", default=None)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--memory", action="store_true")
     args = parser.parse_args()
     env = dict(os.environ, RAYON_NUM_THREADS=str(args.threads))
     with tempfile.NamedTemporaryFile(suffix=".jsonl", delete=False) as f:
@@ -35,6 +40,9 @@ def main():
     cargo += ["--", "--json", rows_path, "--repeats", args.repeats]
     torch_cmd = [sys.executable, os.path.join(here, "bench_torch.py"), "--threads", str(args.threads),
                  "--repeats", args.repeats]
+    if args.memory:
+        cargo.append("--memory")
+        torch_cmd.append("--memory")
     if args.variants:
         cargo += ["--variants", args.variants]
         torch_cmd += ["--variants", args.variants]
@@ -43,6 +51,9 @@ def main():
     theirs = [json.loads(line) for line in subprocess.run(
         torch_cmd, check=True, capture_output=True, text=True, env=env).stdout.splitlines()]
     key = lambda r: (r["variant"], r["d_model"], r["tokens"], r["mode"])
+    if args.memory:
+        memory_table(ours, theirs, key)
+        return
     torch_ms = {key(r): r["ms"] for r in theirs}
     impls = sorted({r["impl"] for r in ours})
     print(f"\n{args.threads} threads, median of {args.repeats}; ratio = PyTorch time / ffn time "
@@ -58,6 +69,41 @@ def main():
             cells.append(f"{mine['ms']:.1f} | {r['ms'] / mine['ms']:.2f}×" if mine else "- | -")
         print(f"| {r['variant']} | {r['d_model']} | {r['d_ff']} | {r['tokens']} | {r['mode']} | "
               f"{r['ms']:.1f} | " + " | ".join(cells) + " |")
+    # Fused against unfused, per backend: throughput ratio (above 1: fusing pays).
+    fused = [i for i in impls if i.endswith("-fused")]
+    if fused:
+        print("\nfused / unfused throughput (above 1: fusing pays)\n")
+        print("| variant | d_model | tokens | mode | " + " | ".join(fused) + " |")
+        print("|" + "---|" * (4 + len(fused)))
+        for r in theirs:
+            cells = []
+            for i in fused:
+                f = next((o for o in ours if o["impl"] == i and key(o) == key(r)), None)
+                u = next((o for o in ours if o["impl"] == i[:-6] and key(o) == key(r)), None)
+                cells.append(f"{u['ms'] / f['ms']:.2f}×" if f and u else "-")
+            if any(c != "-" for c in cells):
+                print(f"| {r['variant']} | {r['d_model']} | {r['tokens']} | {r['mode']} | "
+                      + " | ".join(cells) + " |")
+
+
+def memory_table(ours, theirs, key):
+    """Peak step memory, MiB, PyTorch and every ffn setup, with the ratio PyTorch/ffn."""
+    setups = sorted({(r["impl"], r["setup"]) for r in ours})
+    print("\nPeak memory of three AdamW steps above the resident set before them, MiB; "
+          "ratio = PyTorch / ffn (above 1: ffn needs less)\n")
+    header = "| variant | d_model | d_ff | tokens | PyTorch MiB | " + " | ".join(
+        f"{i} {s} MiB | ratio" for i, s in setups) + " |"
+    print(header)
+    print("|" + "---|" * (header.count("|") - 1))
+    for r in theirs:
+        cells = []
+        for i, s in setups:
+            mine = next((o for o in ours if (o["impl"], o["setup"]) == (i, s)
+                         and key(o) == key(r)), None)
+            cells.append(f"{mine['step_mib']:.1f} | {r['step_mib'] / mine['step_mib']:.2f}×"
+                         if mine else "- | -")
+        print(f"| {r['variant']} | {r['d_model']} | {r['d_ff']} | {r['tokens']} | "
+              f"{r['step_mib']:.1f} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

@@ -3,11 +3,17 @@
 thread count, one JSON object per row on stdout.
 
     python3 tools/bench_torch.py [--threads N] [--repeats N] [--variants SwiGLU,FFN_GELU]
+    python3 tools/bench_torch.py --memory [--threads N] [--variants ...]
+
+--memory: the peak memory of three AdamW steps above the resident set before them, each
+configuration in a fresh process, measured as benches/ffn.rs --memory does (Linux).
 """
 
 import argparse
 import json
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
@@ -57,13 +63,58 @@ def median(repeats, f):
     return statistics.median(times)
 
 
+def status_mib(field):
+    """A field of /proc/self/status in MiB."""
+    for line in open("/proc/self/status"):
+        if line.startswith(field):
+            return int(line.split()[1]) / 1024
+    raise KeyError(field)
+
+
+def memory_child(name, d_model, tokens):
+    """In a fresh process: one JSON row, the peak memory of three AdamW steps."""
+    act, gated = VARIANTS[name]
+    torch.manual_seed(0)
+    model = FeedForward(d_model, d_ff(name, d_model), act, gated)
+    x = torch.randn(tokens, d_model)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    before = status_mib("VmRSS:")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    for _ in range(3):
+        optim.zero_grad(set_to_none=True)
+        y = model(x)
+        (y * y).sum().backward()
+        optim.step()
+        model.down.weight.sum().item()
+    peak = status_mib("VmHWM:")
+    print(json.dumps({"impl": "pytorch", "setup": "plain", "variant": name, "d_model": d_model,
+                      "d_ff": d_ff(name, d_model), "tokens": tokens, "mode": "memory",
+                      "step_mib": round(peak - before, 1), "peak_rss_mib": round(peak, 1)}))
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--memory", action="store_true")
+    parser.add_argument("--memory-child", nargs=3, metavar=("VARIANT", "D_MODEL", "TOKENS"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.memory_child:
+        name, d_model, tokens = args.memory_child
+        memory_child(name, int(d_model), int(tokens))
+        return
+    if args.memory:
+        for d_model, tokens in SHAPES:
+            for name in args.variants.split(","):
+                name = name if name.startswith("FFN_") else "FFN_" + name
+                out = subprocess.run([sys.executable, __file__, "--threads", str(args.threads),
+                                      "--memory-child", name, str(d_model), str(tokens)],
+                                     check=True, capture_output=True, text=True)
+                print(out.stdout.strip(), flush=True)
+        return
     torch.manual_seed(0)
     for d_model, tokens in SHAPES:
         for name in args.variants.split(","):

@@ -3,6 +3,9 @@
 //! burn decides which backends exist at compile time (cargo features); this module names
 //! them for the command line. `--device NAME`, else the `FFN_DEVICE` environment variable,
 //! else the first CPU backend compiled in.
+//! `wgpu` (feature `wgpu`) takes the adapter wgpu prefers (a discrete GPU first; any Vulkan,
+//! Metal or DX12 one, Mesa's software `lavapipe` included), and is an error, not a panic, when
+//! the machine has none.
 
 use burn::tensor::Device;
 
@@ -14,6 +17,8 @@ pub const DEVICES: &[&str] = &[
     "flex",
     #[cfg(feature = "ndarray")]
     "ndarray",
+    #[cfg(feature = "wgpu")]
+    "wgpu",
 ];
 
 /// The environment variable read when no `--device` is given.
@@ -36,6 +41,8 @@ pub fn device(name: Option<&str>) -> Result<Device> {
         #[cfg(feature = "ndarray")]
         #[allow(deprecated)]
         "ndarray" => Device::ndarray(),
+        #[cfg(feature = "wgpu")]
+        "wgpu" => wgpu()?,
         other => {
             return Err(Error::Device(format!(
                 "unknown or not compiled device `{other}`; this build has: {}",
@@ -44,4 +51,22 @@ pub fn device(name: Option<&str>) -> Result<Device> {
         }
     };
     Ok(device.autodiff())
+}
+
+/// The wgpu device, initialised once per process (burn's runtime cannot be initialised twice):
+/// an error naming the cause when no adapter can be had.
+#[cfg(feature = "wgpu")]
+pub fn wgpu() -> Result<Device> {
+    use std::sync::OnceLock;
+    static DEVICE: OnceLock<std::result::Result<Device, String>> = OnceLock::new();
+    DEVICE
+        .get_or_init(|| Device::wgpu_options().init().map_err(|e| e.to_string()))
+        .clone()
+        .map_err(|e| {
+            Error::Device(format!(
+                "no wgpu adapter could be initialised ({e}); a GPU driver with Vulkan, Metal or \
+                 DX12 is needed (without a GPU: Mesa's software Vulkan, package \
+                 mesa-vulkan-drivers)"
+            ))
+        })
 }

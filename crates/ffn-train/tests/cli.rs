@@ -407,3 +407,43 @@ fn inspect_shows_tensors_schemes_and_configs() {
         "not a valid safetensors file",
     );
 }
+
+/// The CLI trains on the GPU backend (on CI: Mesa's software Vulkan driver, lavapipe).
+#[cfg(feature = "wgpu")]
+#[test]
+fn trains_on_wgpu() {
+    let dir = scratch("cli-wgpu");
+    let config = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs/teacher.toml");
+    let out = ffn_train(
+        &[
+            "train",
+            "--config",
+            config.to_str().unwrap(),
+            "--run",
+            "run",
+            "--device",
+            "wgpu",
+            "--set",
+            "train.steps=60",
+            "--set",
+            "train.eval_every=30",
+            "--set",
+            "train.checkpoint_every=30",
+        ],
+        &dir,
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    let curve = losses(&dir.join("run"));
+    let valid: Vec<f64> = curve
+        .iter()
+        .filter(|(_, kind, _)| kind == "valid")
+        .map(|r| r.2)
+        .collect();
+    assert_eq!(valid.len(), 2, "{curve:?}");
+    assert!(valid.iter().all(|v| v.is_finite()), "{curve:?}");
+    // Teacher outputs have variance of order one; 60 steps bring the student well under it.
+    assert!(valid[1] < 0.5, "{curve:?}");
+    // And it resumes on the same device.
+    let out = ffn_train(&["eval", "run", "--device", "wgpu"], &dir);
+    assert!(out.status.success(), "{}", stderr(&out));
+}

@@ -1,0 +1,159 @@
+//! Backend parity: the same weights and input give the same outputs and gradients on every
+//! backend compiled into this build (`flex`, `ndarray`, `wgpu`), as an f64 computation of the
+//! same network on Flex does.
+//!
+//! ```text
+//! cargo test --test parity                             # Flex only (the default build)
+//! cargo test --test parity --features ndarray,wgpu     # what CI runs (wgpu on Mesa lavapipe)
+//! ```
+//!
+//! Tolerances, on the largest error relative to the tensor's scale: 1e-5 on the CPU backends
+//! (f32 matrix products of width ≤ 48 in another summation order), 2e-4 on wgpu (the GPU's own
+//! `exp`/`erf`/`tanh` approximations; lavapipe measured about 4e-5).
+
+use std::collections::BTreeMap;
+
+use burn::module::{Module, ModuleMapper, Param};
+use burn::tensor::{DType, Device, Distribution, Tensor, TensorData};
+use ffn::{FeedForward, FeedForwardConfig, Variant};
+
+const D_MODEL: usize = 16;
+
+/// `(name, device, tolerance)` for every compiled backend.
+#[allow(deprecated)] // Device::ndarray: deprecated upstream, still a supported backend here.
+fn backends() -> Vec<(&'static str, Device, f64)> {
+    [
+        #[cfg(feature = "flex")]
+        ("flex", Device::flex(), 1e-5),
+        #[cfg(feature = "ndarray")]
+        ("ndarray", Device::ndarray(), 1e-5),
+        #[cfg(feature = "wgpu")]
+        (
+            "wgpu",
+            ffn::wgpu().unwrap_or_else(|e| panic!("the wgpu feature is on but: {e}")),
+            2e-4,
+        ),
+    ]
+    .into_iter()
+    .collect()
+}
+
+/// Casts every float parameter to `dtype`, keeping ids.
+struct Cast(DType);
+
+impl ModuleMapper for Cast {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        let id = param.id;
+        let tensor = param.val().inner().cast(self.0).autodiff().require_grad();
+        Param::initialized(id, tensor)
+    }
+}
+
+/// `y`, `∂L/∂x` and `∂L/∂θ` for every parameter θ, with `L = Σ y²`, as f64 host data.
+fn run(
+    ffn: &FeedForward,
+    x: TensorData,
+    dtype: DType,
+    device: &Device,
+) -> BTreeMap<String, Vec<f64>> {
+    let x = Tensor::<3>::from_data(x, (device, dtype)).require_grad();
+    let y = ffn.forward(x.clone());
+    let grads = (y.clone() * y.clone()).sum().backward();
+    let host = |t: TensorData| t.iter::<f64>().collect::<Vec<f64>>();
+    let mut out = BTreeMap::new();
+    out.insert("y".to_string(), host(y.into_data()));
+    out.insert("dx".to_string(), host(x.grad(&grads).unwrap().into_data()));
+    let projections = [
+        ("gate", ffn.gate()),
+        ("up", ffn.up()),
+        ("gate_up", ffn.gate_up()),
+        ("down", Some(ffn.down())),
+    ];
+    for (name, linear) in projections {
+        let Some(linear) = linear else { continue };
+        let dw = linear.weight.val().grad(&grads).unwrap();
+        out.insert(format!("d{name}.weight"), host(dw.into_data()));
+        if let Some(b) = &linear.bias {
+            let db = b.val().grad(&grads).unwrap();
+            out.insert(format!("d{name}.bias"), host(db.into_data()));
+        }
+    }
+    out
+}
+
+#[test]
+fn every_backend_computes_the_same_outputs_and_gradients() {
+    let reference_device = Device::flex().autodiff();
+    let configs = Variant::ALL
+        .into_iter()
+        .map(|v| {
+            FeedForwardConfig::preset(v, D_MODEL)
+                .with_bias_up(true)
+                .with_bias_down(true)
+        })
+        .chain([FeedForwardConfig::preset(Variant::SwiGlu, D_MODEL)
+            .with_fused_gate_up(true)
+            .with_bias_up(true)
+            .with_bias_gate(true)]);
+    let backends = backends();
+    assert!(!backends.is_empty());
+    let mut worst: BTreeMap<&str, (f64, String)> = BTreeMap::new();
+    for config in configs {
+        let bias_gate = config.gated && config.bias_up;
+        let config = config.with_bias_gate(bias_gate);
+        let name = format!(
+            "{}{}",
+            config.activation,
+            if config.fused_gate_up { " fused" } else { "" }
+        );
+        // Weights drawn once, moved everywhere as a file; the input likewise as data.
+        let weights = config.init(&reference_device).to_safetensors_bytes();
+        let x = Tensor::<3>::random(
+            [2, 5, D_MODEL],
+            Distribution::Normal(0.0, 1.0),
+            &reference_device,
+        )
+        .into_data();
+
+        let oracle = config
+            .init(&reference_device)
+            .map(&mut Cast(DType::F64))
+            .load_safetensors_bytes(&weights)
+            .unwrap();
+        let expected = run(&oracle, x.clone(), DType::F64, &reference_device);
+
+        for (backend, device, tolerance) in &backends {
+            let device = device.clone().autodiff();
+            let ffn = config
+                .init(&device)
+                .load_safetensors_bytes(&weights)
+                .unwrap();
+            let actual = run(&ffn, x.clone(), DType::F32, &device);
+            assert_eq!(
+                actual.keys().collect::<Vec<_>>(),
+                expected.keys().collect::<Vec<_>>()
+            );
+            for (what, values) in &actual {
+                let reference = &expected[what];
+                let scale = reference.iter().fold(1.0f64, |m, v| m.max(v.abs()));
+                let error = values
+                    .iter()
+                    .zip(reference)
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0.0, f64::max)
+                    / scale;
+                assert!(
+                    error <= *tolerance,
+                    "{backend} {name}: {what} off by {error:e} (tolerance {tolerance:e})"
+                );
+                let entry = worst.entry(backend).or_default();
+                if error >= entry.0 {
+                    *entry = (error, format!("{name} {what}"));
+                }
+            }
+        }
+    }
+    for (backend, (error, what)) in worst {
+        println!("{backend:>8}: largest error vs f64 {error:.1e} ({what})");
+    }
+}
