@@ -132,10 +132,9 @@ impl FeedForward {
         }
     }
 
-    /// This network with `W_gate` and `W_up` as one projection `[W_gate | W_up]` (unchanged if
-    /// ungated or already fused). The fused weight keeps the id (and so the optimizer state
-    /// slot) of `id`, when given.
-    pub(crate) fn fused(mut self, id: Option<ParamId>) -> Self {
+    /// This network with `W_gate` and `W_up` as one projection `[W_gate | W_up]` whose weight
+    /// has the id `id` (unchanged if ungated or already fused).
+    pub(crate) fn fused(mut self, id: ParamId) -> Self {
         let (Some(gate), Some(up)) = (self.gate.take(), self.up.take()) else {
             return self;
         };
@@ -145,7 +144,7 @@ impl FeedForward {
             _ => None,
         };
         self.gate_up = Some(Linear {
-            weight: trainable(weight, id),
+            weight: trainable(weight, Some(id)),
             bias: bias.map(|b| trainable(b, None)),
         });
         self

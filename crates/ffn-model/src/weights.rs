@@ -207,7 +207,7 @@ impl FeedForward {
             return Ok(self
                 .unfused()
                 .load_from(files, scheme, prefix)?
-                .fused(Some(id)));
+                .fused(id));
         }
         let gated = self.is_gated();
         let mut consumed = BTreeSet::new();
