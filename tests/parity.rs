@@ -8,8 +8,11 @@
 //! ```
 //!
 //! Tolerances, on the largest error relative to the tensor's scale: 1e-5 on the CPU backends
-//! (f32 matrix products of width ≤ 48 in another summation order), 2e-4 on wgpu (the GPU's own
-//! `exp`/`erf`/`tanh` approximations; lavapipe measured about 4e-5).
+//! (f32 products of width ≤ 48 in another summation order; seen: 3.7e-7), 1e-4 on wgpu, whose
+//! `exp`/`erf` are the GPU's own approximations (seen on Mesa lavapipe: 3.6e-7).
+//!
+//! This test found that burn's fused `gelu` op differentiates as the tanh approximation on
+//! NdArray and wgpu (3e-4 off); `Activation::Gelu` is now written out from `erf`.
 
 use std::collections::BTreeMap;
 
@@ -31,7 +34,7 @@ fn backends() -> Vec<(&'static str, Device, f64)> {
         (
             "wgpu",
             ffn::wgpu().unwrap_or_else(|e| panic!("the wgpu feature is on but: {e}")),
-            2e-4,
+            1e-4,
         ),
     ]
     .into_iter()

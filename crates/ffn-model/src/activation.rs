@@ -9,6 +9,7 @@
 //! Names follow PyTorch and Hugging Face `transformers`; the spellings `transformers` uses in
 //! its `hidden_act` config key are accepted as aliases (see [`Activation::from_str`]).
 
+use std::f64::consts::{FRAC_1_SQRT_2, FRAC_2_SQRT_PI};
 use std::fmt;
 use std::str::FromStr;
 
@@ -110,11 +111,30 @@ impl Activation {
     }
 
     /// Applies `φ` element-wise.
+    ///
+    /// The two GELUs are written out from their definitions rather than taken from burn's
+    /// `gelu` and `gelu_approximate`: burn's fused `gelu` op differentiates, on every backend
+    /// but Flex (NdArray, wgpu, …), as if it were the tanh approximation (gradients off by up
+    /// to 3e-4 relative), and both fused forms ran slower on Flex than these compositions
+    /// (BENCHMARKS.md). Autodiff differentiates the compositions exactly.
     pub fn forward<const D: usize>(self, x: Tensor<D>) -> Tensor<D> {
         match self {
             Activation::Relu => activation::relu(x),
-            Activation::Gelu => activation::gelu(x),
-            Activation::GeluTanh => activation::gelu_approximate(x),
+            // GELU(x) = x · ½ (1 + erf(x / √2)),   GELU'(x) = Φ(x) + x φ_N(x) (by autodiff)
+            Activation::Gelu => {
+                let cdf = (x.clone() * FRAC_1_SQRT_2).erf().add_scalar(1.0);
+                x.mul_scalar(0.5) * cdf
+            }
+            // ½ x (1 + tanh(u)) = x σ(2u), with u = √(2/π) (x + 0.044715 x³), since
+            // ½ (1 + tanh(u)) = σ(2u): one sigmoid instead of tanh, no cancellation.
+            Activation::GeluTanh => {
+                const TWO_SQRT_2_OVER_PI: f64 = 2.0 * FRAC_2_SQRT_PI * FRAC_1_SQRT_2;
+                let two_u = (x.clone() * x.clone())
+                    .mul_scalar(0.044715 * TWO_SQRT_2_OVER_PI)
+                    .add_scalar(TWO_SQRT_2_OVER_PI)
+                    * x.clone();
+                x * activation::sigmoid(two_u)
+            }
             Activation::Silu => activation::silu(x),
             Activation::Sigmoid => activation::sigmoid(x),
             Activation::Identity => x,
