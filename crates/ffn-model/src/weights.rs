@@ -204,10 +204,7 @@ impl FeedForward {
     ) -> Result<Self, Error> {
         // A fused network loads the unfused names, then joins them again.
         if let Some(id) = self.gate_up_id() {
-            return Ok(self
-                .unfused()
-                .load_from(files, scheme, prefix)?
-                .fused(id));
+            return Ok(self.unfused().load_from(files, scheme, prefix)?.fused(id));
         }
         let gated = self.is_gated();
         let mut consumed = BTreeSet::new();

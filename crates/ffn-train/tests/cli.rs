@@ -447,3 +447,38 @@ fn trains_on_wgpu() {
     let out = ffn_train(&["eval", "run", "--device", "wgpu"], &dir);
     assert!(out.status.success(), "{}", stderr(&out));
 }
+
+/// Without any GPU driver (here: the Vulkan and GL loaders replaced by empty files), `--device
+/// wgpu` is one clear error line, and no run folder is created.
+#[cfg(all(feature = "wgpu", target_os = "linux"))]
+#[test]
+fn wgpu_without_an_adapter_is_one_clear_error() {
+    let dir = scratch("cli-wgpu-none");
+    let fake = dir.join("no-drivers");
+    std::fs::create_dir_all(&fake).unwrap();
+    for lib in [
+        "libvulkan.so.1",
+        "libvulkan.so",
+        "libEGL.so.1",
+        "libEGL.so",
+        "libGL.so.1",
+    ] {
+        std::fs::write(fake.join(lib), b"").unwrap();
+    }
+    let config = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs/teacher.toml");
+    let out = Command::new(env!("CARGO_BIN_EXE_ffn-train"))
+        .args([
+            "train",
+            "--config",
+            config.to_str().unwrap(),
+            "--device",
+            "wgpu",
+        ])
+        .current_dir(&dir)
+        .env("LD_LIBRARY_PATH", &fake)
+        .env_remove("FFN_DEVICE")
+        .output()
+        .unwrap();
+    assert_error(&out, "no wgpu adapter could be initialised");
+    assert!(!dir.join("runs").exists());
+}
