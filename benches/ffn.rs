@@ -21,6 +21,7 @@
 //! cargo bench --bench ffn -- --json rows.jsonl       # also one JSON object per row
 //! cargo bench --bench ffn -- --repeats 3 --variants SwiGLU,FFN_GELU
 //! cargo bench --bench ffn -- --memory                # peak memory of a training step
+//! cargo bench --bench ffn --features wgpu -- --backends wgpu   # on the GPU
 //! python3 tools/bench_compare.py                     # side by side with PyTorch, ratios
 //! python3 tools/bench_compare.py --memory            # the same for memory
 //! ```
@@ -35,16 +36,25 @@ use ffn::model::{FeedForward, FeedForwardConfig, Variant};
 /// `(d_model, tokens)`: BERT-base-like at 2048 tokens, Transformer-base-like at 4096.
 const SHAPES: [(usize, usize); 2] = [(512, 4096), (768, 2048)];
 
+/// Every compiled backend (or those named by `--backends a,b`), in preference order. wgpu is
+/// left out, with a message, when no adapter can be initialised.
 #[allow(deprecated)] // Device::ndarray: burn-ndarray is deprecated upstream, measured here.
-fn backends() -> Vec<(&'static str, Device)> {
-    [
+fn backends(wanted: Option<&[String]>) -> Vec<(&'static str, Device)> {
+    let compiled: Vec<(&'static str, fn() -> Option<Device>)> = vec![
         #[cfg(feature = "flex")]
-        ("flex", Device::flex()),
+        ("flex", || Some(Device::flex())),
         #[cfg(feature = "ndarray")]
-        ("ndarray", Device::ndarray()),
-    ]
-    .into_iter()
-    .collect()
+        ("ndarray", || Some(Device::ndarray())),
+        #[cfg(feature = "wgpu")]
+        ("wgpu", || {
+            ffn::wgpu().map_err(|e| eprintln!("wgpu skipped: {e}")).ok()
+        }),
+    ];
+    compiled
+        .into_iter()
+        .filter(|(name, _)| wanted.is_none_or(|w| w.iter().any(|n| n == name)))
+        .filter_map(|(name, device)| Some((name, device()?)))
+        .collect()
 }
 
 /// Median seconds of `repeats` runs of `f`, after 2 warm-up runs.
@@ -93,9 +103,8 @@ fn memory_child(backend: &str, variant: Variant, d_model: usize, tokens: usize, 
         .iter()
         .find(|s| s.0 == setup)
         .expect("a setup name");
-    let device = backends()
-        .into_iter()
-        .find(|(b, _)| *b == backend)
+    let device = backends(Some(&[backend.to_string()]))
+        .pop()
         .expect("a compiled backend")
         .1;
     let mut autodiff = device.autodiff();
@@ -126,14 +135,15 @@ fn memory_child(backend: &str, variant: Variant, d_model: usize, tokens: usize, 
 }
 
 /// Runs [`memory_child`] for every backend, variant and setup, each in its own process.
-fn memory(variants: &[Variant], json: &mut Option<std::fs::File>) {
+fn memory(wanted: Option<&[String]>, variants: &[Variant], json: &mut Option<std::fs::File>) {
     let me = std::env::current_exe().expect("this benchmark's path");
     println!("Peak memory of three AdamW steps above the resident set before them (MiB)");
     println!(
         "{:<8} {:<13} {:>7} {:>6} {:>6} {:>14} {:>9}",
         "backend", "variant", "d_model", "d_ff", "tokens", "setup", "step MiB"
     );
-    for (backend, _) in backends() {
+    // Resident memory is host memory: a GPU's is not measured here.
+    for (backend, _) in backends(wanted).into_iter().filter(|(b, _)| *b != "wgpu") {
         for &(d_model, tokens) in &SHAPES {
             for &variant in variants {
                 for (setup, fused, _) in MEMORY_SETUPS {
@@ -190,9 +200,11 @@ fn main() {
             .collect(),
         None => Variant::ALL.to_vec(),
     };
+    let wanted: Option<Vec<String>> =
+        value("--backends").map(|list| list.split(',').map(str::to_string).collect());
     let mut json = value("--json").map(|p| std::fs::File::create(p).expect("--json FILE"));
     if args.iter().any(|a| a == "--memory") {
-        memory(&variants, &mut json);
+        memory(wanted.as_deref(), &variants, &mut json);
         return;
     }
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -203,7 +215,7 @@ fn main() {
         "{:<13} {:<13} {:>7} {:>6} {:>6} {:<8} {:>9} {:>11} {:>8}",
         "backend", "variant", "d_model", "d_ff", "tokens", "mode", "ms", "tokens/s", "GFLOP/s"
     );
-    for (backend, device) in backends() {
+    for (backend, device) in backends(wanted.as_deref()) {
         for &(d_model, tokens) in &SHAPES {
             for (&variant, fused) in variants
                 .iter()

@@ -1,15 +1,16 @@
 #!/usr/bin/env python3
 """One command, one session: runs benches/ffn.rs and tools/bench_torch.py with the same thread
-count, one after the other, and prints the ratio ffn/PyTorch of throughput per row (above 1:
+count, taking turns variant by variant for --rounds rounds (each row keeps its fastest round on
+each side), and prints the ratio ffn/PyTorch of throughput per row (above 1:
 ffn is faster), as a Markdown table.
 
-    python3 tools/bench_compare.py [--features ndarray] [--repeats 5] [--variants ...]
+    python3 tools/bench_compare.py [--features ndarray] [--repeats 5] [--rounds 2] [--variants ...]
     python3 tools/bench_compare.py --memory [--features ndarray] [--variants ...]
 
 --memory compares the peak memory of a training step instead (both sides: three AdamW steps,
 resident-set high-water mark above the resident set before them, a fresh process each).
 
-Needs `pip install torch`. Extra arguments before `--` go to cargo.
+Needs `pip install torch`.
 """
 
 import argparse
@@ -23,11 +24,17 @@ here = os.path.dirname(os.path.abspath(__file__))
 root = os.path.dirname(here)
 
 
+VARIANTS = ["FFN_ReLU", "FFN_GELU", "FFN_Swish", "FFN_GLU", "FFN_Bilinear", "FFN_ReGLU",
+            "FFN_GEGLU", "FFN_SwiGLU"]
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--features", default="")
     parser.add_argument("--repeats", default="5")
-    parser.add_argument("--variants", default=None)
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="interleaved rounds; each row keeps its fastest round (both sides)")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--memory", action="store_true")
     args = parser.parse_args()
@@ -37,26 +44,33 @@ def main():
     cargo = ["cargo", "bench", "--bench", "ffn"]
     if args.features:
         cargo += ["--features", args.features]
+    subprocess.run(cargo + ["--no-run"], cwd=root, env=env, check=True)
     cargo += ["--", "--json", rows_path, "--repeats", args.repeats]
     torch_cmd = [sys.executable, os.path.join(here, "bench_torch.py"), "--threads", str(args.threads),
                  "--repeats", args.repeats]
     if args.memory:
         cargo.append("--memory")
         torch_cmd.append("--memory")
-    if args.variants:
-        cargo += ["--variants", args.variants]
-        torch_cmd += ["--variants", args.variants]
-    subprocess.run(cargo, cwd=root, env=env, check=True)
-    ours = [json.loads(line) for line in open(rows_path)]
-    theirs = [json.loads(line) for line in subprocess.run(
-        torch_cmd, check=True, capture_output=True, text=True, env=env).stdout.splitlines()]
+    # ffn and PyTorch take turns, variant by variant, for `rounds` rounds: a slow spell of a
+    # shared machine then hits both sides of a row, and the fastest round of each is kept.
+    ours, theirs = [], []
+    for _ in range(args.rounds):
+        for variant in args.variants.split(","):
+            subprocess.run(cargo + ["--variants", variant], cwd=root, env=env, check=True,
+                           stdout=sys.stderr)
+            ours += [json.loads(line) for line in open(rows_path)]
+            out = subprocess.run(torch_cmd + ["--variants", variant], check=True,
+                                 capture_output=True, text=True, env=env).stdout
+            theirs += [json.loads(line) for line in out.splitlines()]
     key = lambda r: (r["variant"], r["d_model"], r["tokens"], r["mode"])
+    ours, theirs = fastest(ours, key), fastest(theirs, key)
     if args.memory:
         memory_table(ours, theirs, key)
         return
     torch_ms = {key(r): r["ms"] for r in theirs}
     impls = sorted({r["impl"] for r in ours})
-    print(f"\n{args.threads} threads, median of {args.repeats}; ratio = PyTorch time / ffn time "
+    print(f"\n{args.threads} threads, median of {args.repeats}, best of {args.rounds} interleaved "
+          "rounds; ratio = PyTorch time / ffn time "
           "(throughput ffn/PyTorch, above 1: ffn is faster)\n")
     header = "| variant | d_model | d_ff | tokens | mode | PyTorch ms | " + " | ".join(
         f"{i} ms | {i} ratio" for i in impls) + " |"
@@ -84,6 +98,20 @@ def main():
             if any(c != "-" for c in cells):
                 print(f"| {r['variant']} | {r['d_model']} | {r['tokens']} | {r['mode']} | "
                       + " | ".join(cells) + " |")
+
+
+def fastest(rows, key):
+    """One row per (impl, setup, shape, mode): the one with the least time (or memory)."""
+    best = {}
+    for r in rows:
+        k = (r["impl"], r.get("setup"), key(r))
+        value = r.get("ms", r.get("step_mib"))
+        if k not in best or value < best[k].get("ms", best[k].get("step_mib")):
+            best[k] = r
+    # PyTorch's rows in its own order (shapes, then variants), for the table.
+    return sorted(best.values(), key=lambda r: (r["d_model"], VARIANTS.index(r["variant"])
+                                                if r["variant"] in VARIANTS else 0,
+                                                ["forward", "fwd+bwd", "step", "memory"].index(r["mode"])))
 
 
 def memory_table(ours, theirs, key):
