@@ -36,11 +36,14 @@ use ffn::model::{FeedForward, FeedForwardConfig, Variant};
 /// `(d_model, tokens)`: BERT-base-like at 2048 tokens, Transformer-base-like at 4096.
 const SHAPES: [(usize, usize); 2] = [(512, 4096), (768, 2048)];
 
+/// Builds a backend's device, `None` when it cannot be had.
+type MakeDevice = fn() -> Option<Device>;
+
 /// Every compiled backend (or those named by `--backends a,b`), in preference order. wgpu is
 /// left out, with a message, when no adapter can be initialised.
 #[allow(deprecated)] // Device::ndarray: burn-ndarray is deprecated upstream, measured here.
 fn backends(wanted: Option<&[String]>) -> Vec<(&'static str, Device)> {
-    let compiled: Vec<(&'static str, fn() -> Option<Device>)> = vec![
+    let compiled: Vec<(&'static str, MakeDevice)> = vec![
         #[cfg(feature = "flex")]
         ("flex", || Some(Device::flex())),
         #[cfg(feature = "ndarray")]
