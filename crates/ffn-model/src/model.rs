@@ -133,8 +133,9 @@ impl FeedForward {
     }
 
     /// This network with `W_gate` and `W_up` as one projection `[W_gate | W_up]` whose weight
-    /// has the id `id` (unchanged if ungated or already fused).
-    pub(crate) fn fused(mut self, id: ParamId) -> Self {
+    /// and bias have the ids `ids` (those of the fused module a file was loaded into, so an
+    /// optimizer's state still applies); unchanged if ungated or already fused.
+    pub(crate) fn fused(mut self, ids: (ParamId, Option<ParamId>)) -> Self {
         let (Some(gate), Some(up)) = (self.gate.take(), self.up.take()) else {
             return self;
         };
@@ -144,8 +145,8 @@ impl FeedForward {
             _ => None,
         };
         self.gate_up = Some(Linear {
-            weight: trainable(weight, Some(id)),
-            bias: bias.map(|b| trainable(b, None)),
+            weight: trainable(weight, Some(ids.0)),
+            bias: bias.map(|b| trainable(b, ids.1)),
         });
         self
     }
@@ -257,9 +258,10 @@ impl FeedForward {
         (self.gate.as_mut(), up, &mut self.down)
     }
 
-    /// The id of the fused projection's weight, if any.
-    pub(crate) fn gate_up_id(&self) -> Option<ParamId> {
-        self.gate_up.as_ref().map(|l| l.weight.id)
+    /// The ids of the fused projection's weight and bias, if fused.
+    pub(crate) fn gate_up_ids(&self) -> Option<(ParamId, Option<ParamId>)> {
+        let gate_up = self.gate_up.as_ref()?;
+        Some((gate_up.weight.id, gate_up.bias.as_ref().map(|b| b.id)))
     }
 
     pub(crate) fn set_activation(mut self, activation: Activation) -> Self {

@@ -203,8 +203,8 @@ impl FeedForward {
         prefix: &str,
     ) -> Result<Self, Error> {
         // A fused network loads the unfused names, then joins them again.
-        if let Some(id) = self.gate_up_id() {
-            return Ok(self.unfused().load_from(files, scheme, prefix)?.fused(id));
+        if let Some(ids) = self.gate_up_ids() {
+            return Ok(self.unfused().load_from(files, scheme, prefix)?.fused(ids));
         }
         let gated = self.is_gated();
         let mut consumed = BTreeSet::new();

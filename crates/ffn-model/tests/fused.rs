@@ -103,6 +103,15 @@ fn fused_files_keep_the_separate_names() {
             .unwrap();
         // Byte for byte the file of the unfused network: `gate.weight`, `up.weight`, …
         assert_eq!(fused.to_safetensors_bytes(), bytes);
+        // Loading keeps the fused parameters' ids (an optimizer's state stays attached).
+        let template = config.clone().with_fused_gate_up(true).init(&device);
+        let ids = |f: &ffn_model::FeedForward| {
+            let l = f.gate_up().unwrap();
+            (l.weight.id, l.bias.as_ref().map(|b| b.id))
+        };
+        let before = ids(&template);
+        let loaded = template.load_safetensors_bytes(&bytes).unwrap();
+        assert_eq!(ids(&loaded), before);
         for scheme in [Scheme::Llama, Scheme::GateUpProj, Scheme::W12] {
             assert_eq!(
                 fused.to_safetensors_bytes_as(scheme, "mlp.").unwrap(),
