@@ -6,7 +6,7 @@ mod common;
 use burn::module::Module;
 use burn::tensor::{Distribution, Tensor, TensorData};
 use common::{device, scaled_error};
-use ffn_model::{ConfigError, FeedForwardConfig, Scheme, Variant};
+use ffn_model::{ConfigError, FeedForward, FeedForwardConfig, Scheme, Variant};
 
 const TOLERANCE: f64 = 1e-5;
 
@@ -24,18 +24,27 @@ fn gated_configs() -> impl Iterator<Item = FeedForwardConfig> {
         })
 }
 
+/// A network drawn from `config`, its safetensors file, and that file loaded into the fused form.
+fn unfused_and_fused(
+    config: &FeedForwardConfig,
+    device: &burn::tensor::Device,
+) -> (FeedForward, Vec<u8>, FeedForward) {
+    let unfused = config.init(device);
+    let bytes = unfused.to_safetensors_bytes();
+    let fused = config
+        .clone()
+        .with_fused_gate_up(true)
+        .init(device)
+        .load_safetensors_bytes(&bytes)
+        .unwrap();
+    (unfused, bytes, fused)
+}
+
 #[test]
 fn fused_computes_the_unfused_function_and_gradients() {
     let device = device();
     for config in gated_configs() {
-        let unfused = config.init(&device);
-        let bytes = unfused.to_safetensors_bytes();
-        let fused = config
-            .clone()
-            .with_fused_gate_up(true)
-            .init(&device)
-            .load_safetensors_bytes(&bytes)
-            .unwrap();
+        let (unfused, _, fused) = unfused_and_fused(&config, &device);
         assert!(fused.is_fused() && fused.is_gated());
         assert!(fused.up().is_none() && fused.gate().is_none());
         assert_eq!(
@@ -47,7 +56,7 @@ fn fused_computes_the_unfused_function_and_gradients() {
         assert!(fused.config().fused_gate_up);
 
         let x = Tensor::<3>::random([2, 3, 12], Distribution::Normal(0.0, 1.0), &device);
-        let run = |ffn: &ffn_model::FeedForward| {
+        let run = |ffn: &FeedForward| {
             let x = x.clone().require_grad();
             let y = ffn.forward(x.clone());
             let grads = (y.clone() * y.clone()).sum().backward();
@@ -93,19 +102,12 @@ fn fused_computes_the_unfused_function_and_gradients() {
 fn fused_files_keep_the_separate_names() {
     let device = device();
     for config in gated_configs() {
-        let unfused = config.init(&device);
-        let bytes = unfused.to_safetensors_bytes();
-        let fused = config
-            .clone()
-            .with_fused_gate_up(true)
-            .init(&device)
-            .load_safetensors_bytes(&bytes)
-            .unwrap();
+        let (unfused, bytes, fused) = unfused_and_fused(&config, &device);
         // Byte for byte the file of the unfused network: `gate.weight`, `up.weight`, …
         assert_eq!(fused.to_safetensors_bytes(), bytes);
         // Loading keeps the fused parameters' ids (an optimizer's state stays attached).
         let template = config.clone().with_fused_gate_up(true).init(&device);
-        let ids = |f: &ffn_model::FeedForward| {
+        let ids = |f: &FeedForward| {
             let l = f.gate_up().unwrap();
             (l.weight.id, l.bias.as_ref().map(|b| b.id))
         };
