@@ -45,21 +45,23 @@ fn a_resumed_run_equals_the_uninterrupted_run() {
     }
 }
 
+/// 20 steps of the tiny language model with `overrides`, in `folder`: its loss records.
+fn train_20_steps(folder: &std::path::Path, overrides: &[&str]) -> Vec<(usize, String, f64)> {
+    let mut overrides: Vec<String> = overrides.iter().map(|s| s.to_string()).collect();
+    overrides.push("train.steps=20".into());
+    let config = TrainConfig::from_toml(TINY_LM, &overrides).unwrap();
+    Trainer::start(config, folder, &device())
+        .unwrap()
+        .run(&Progress::Silent)
+        .unwrap();
+    losses(folder)
+}
+
 #[test]
 fn the_same_seed_gives_the_same_run_and_another_seed_another() {
     let _serial = serial();
     let dir = scratch("determinism");
-    let run = |name: &str, seed: u64| {
-        let config =
-            TrainConfig::from_toml(TINY_LM, &[format!("seed={seed}"), "train.steps=20".into()])
-                .unwrap();
-        let folder = dir.join(name);
-        Trainer::start(config, &folder, &device())
-            .unwrap()
-            .run(&Progress::Silent)
-            .unwrap();
-        losses(&folder)
-    };
+    let run = |name: &str, seed: u64| train_20_steps(&dir.join(name), &[&format!("seed={seed}")]);
     let a = run("a", 7);
     assert_eq!(a, run("b", 7));
     assert_ne!(a, run("c", 8));
@@ -69,17 +71,7 @@ fn the_same_seed_gives_the_same_run_and_another_seed_another() {
 fn fusing_and_gradient_checkpointing_change_speed_and_memory_not_the_run() {
     let _serial = serial();
     let dir = scratch("fused-checkpointing");
-    let run = |name: &str, overrides: &[&str]| {
-        let mut overrides: Vec<String> = overrides.iter().map(|s| s.to_string()).collect();
-        overrides.push("train.steps=20".into());
-        let config = TrainConfig::from_toml(TINY_LM, &overrides).unwrap();
-        let folder = dir.join(name);
-        Trainer::start(config, &folder, &device())
-            .unwrap()
-            .run(&Progress::Silent)
-            .unwrap();
-        losses(&folder)
-    };
+    let run = |name: &str, overrides: &[&str]| train_20_steps(&dir.join(name), overrides);
     let plain = run("plain", &[]);
     let checkpointed = run("checkpointed", &["train.gradient_checkpointing=true"]);
     assert_eq!(checkpointed, plain, "recomputation gives the same numbers");
