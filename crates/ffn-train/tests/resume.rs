@@ -3,15 +3,28 @@
 
 mod common;
 
-use common::{TINY_LM, copy_tree, device, losses, scratch, serial};
+use common::{TINY_LM, TINY_TEACHER, copy_tree, device, losses, scratch, serial};
 use ffn_train::metrics::Progress;
 use ffn_train::{TrainConfig, Trainer};
 
 #[test]
 fn a_resumed_run_equals_the_uninterrupted_run() {
+    resumes_exactly(TINY_LM, "resume-lm");
+}
+
+/// The teacher is rebuilt by every process that trains (start or resume): it must not depend on
+/// where the run starts.
+#[test]
+fn a_resumed_teacher_student_run_equals_the_uninterrupted_run() {
+    resumes_exactly(TINY_TEACHER, "resume-teacher");
+}
+
+/// Runs `config` for 60 steps, then again from copies cut back to steps 20, 30 and 50 with
+/// `Trainer::resume`: every loss record is the same.
+fn resumes_exactly(config: &str, name: &str) {
     let _serial = serial();
-    let dir = scratch("resume-in-process");
-    let config = TrainConfig::from_toml(TINY_LM, &[]).unwrap();
+    let dir = scratch(name);
+    let config = TrainConfig::from_toml(config, &[]).unwrap();
     let full = dir.join("full");
     let summary = Trainer::start(config, &full, &device())
         .unwrap()

@@ -33,6 +33,29 @@ checkpoint_every = 10
 keep_checkpoints = 10
 "#;
 
+/// A teacher-student regression run of the same length, with dropout in the student: its
+/// teacher's weights must come from the teacher's own stream, whatever step a process starts at.
+pub const TINY_TEACHER: &str = r#"
+seed = 3
+[task]
+kind = "teacher"
+noise = 0.1
+[model]
+kind = "ffn"
+d_model = 8
+ffn = { preset = "GEGLU", dropout = 0.1 }
+[train]
+steps = 60
+batch_size = 32
+lr = 1e-2
+warmup_steps = 5
+eval_every = 10
+eval_batches = 2
+log_every = 5
+checkpoint_every = 10
+keep_checkpoints = 10
+"#;
+
 /// burn's device RNG is process-wide: tests that train hold this lock, one run at a time.
 pub fn serial() -> std::sync::MutexGuard<'static, ()> {
     static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
