@@ -239,10 +239,8 @@ mod tests {
         let _guard = INIT.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         device.seed(1);
         let model = Model::new(&config, &task, &device).unwrap();
-        // burn draws a parameter when it is first read, not in `init`: one forward pass reads
-        // them all while the lock is held.
-        let first = Tensor::<2, Int>::zeros([1, 1], &device);
-        model.logits(first).unwrap();
+        // burn draws a parameter when it is first read, not in `init`: read them all now.
+        model.visit(&mut crate::training::Materialize);
         (model, device)
     }
 

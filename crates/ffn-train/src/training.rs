@@ -69,7 +69,7 @@ impl ModuleVisitor for SquaredNorm<'_> {
 }
 
 /// Initialises every (lazily initialised) parameter.
-struct Materialize;
+pub(crate) struct Materialize;
 
 impl ModuleVisitor for Materialize {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {

@@ -5,9 +5,27 @@ use std::path::{Path, PathBuf};
 
 use burn::tensor::Device;
 
+/// The `[train]` table of the tiny runs: 60 steps, evaluated and checkpointed every 10.
+macro_rules! tiny_schedule {
+    () => {
+        r#"[train]
+steps = 60
+batch_size = 8
+lr = 1e-2
+warmup_steps = 5
+eval_every = 10
+eval_batches = 2
+log_every = 5
+checkpoint_every = 10
+keep_checkpoints = 10
+"#
+    };
+}
+
 /// A language-model run that takes a second or two: a 1-layer transformer on a small Markov
 /// chain, with FFN dropout so that the dropout RNG is exercised too.
-pub const TINY_LM: &str = r#"
+pub const TINY_LM: &str = concat!(
+    r#"
 seed = 7
 [task]
 kind = "markov"
@@ -21,21 +39,14 @@ d_model = 16
 n_layers = 1
 n_heads = 2
 ffn = { preset = "SwiGLU", dropout = 0.1 }
-[train]
-steps = 60
-batch_size = 8
-lr = 1e-2
-warmup_steps = 5
-eval_every = 10
-eval_batches = 2
-log_every = 5
-checkpoint_every = 10
-keep_checkpoints = 10
-"#;
+"#,
+    tiny_schedule!()
+);
 
 /// A teacher-student regression run of the same length, with dropout in the student: its
 /// teacher's weights must come from the teacher's own stream, whatever step a process starts at.
-pub const TINY_TEACHER: &str = r#"
+pub const TINY_TEACHER: &str = concat!(
+    r#"
 seed = 3
 [task]
 kind = "teacher"
@@ -44,17 +55,9 @@ noise = 0.1
 kind = "ffn"
 d_model = 8
 ffn = { preset = "GEGLU", dropout = 0.1 }
-[train]
-steps = 60
-batch_size = 32
-lr = 1e-2
-warmup_steps = 5
-eval_every = 10
-eval_batches = 2
-log_every = 5
-checkpoint_every = 10
-keep_checkpoints = 10
-"#;
+"#,
+    tiny_schedule!()
+);
 
 /// burn's device RNG is process-wide: tests that train hold this lock, one run at a time.
 pub fn serial() -> std::sync::MutexGuard<'static, ()> {
