@@ -16,7 +16,7 @@ use burn::nn::Initializer;
 use burn::tensor::Device;
 use serde::{Deserialize, Serialize};
 
-use crate::{Activation, ConfigError, FeedForward};
+use crate::{Activation, ConfigError, FeedForward, Memory};
 
 /// Where dropout is applied.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -89,6 +89,11 @@ pub struct FeedForwardConfig {
     /// Initialisation of every weight and bias (burn's [`Initializer`]).
     #[serde(default = "default_initializer")]
     pub initializer: Initializer,
+    /// What training keeps for the backward pass: `"save"` (the default) keeps the hidden
+    /// activations, `"recompute"` recomputes them in the backward pass from the
+    /// pre-activations (less memory, one element-wise pass more). Results are identical.
+    #[serde(default)]
+    pub memory: Memory,
 }
 
 fn default_activation() -> Activation {
@@ -121,6 +126,7 @@ impl FeedForwardConfig {
             dropout: 0.0,
             dropout_at: DropoutAt::Hidden,
             initializer: default_initializer(),
+            memory: Memory::Save,
         }
     }
 
@@ -169,6 +175,12 @@ impl FeedForwardConfig {
     /// Sets where dropout is applied.
     pub fn with_dropout_at(mut self, dropout_at: DropoutAt) -> Self {
         self.dropout_at = dropout_at;
+        self
+    }
+
+    /// Sets what the backward pass keeps (see [`memory`](Self::memory)).
+    pub fn with_memory(mut self, memory: Memory) -> Self {
+        self.memory = memory;
         self
     }
 

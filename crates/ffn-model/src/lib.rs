@@ -31,11 +31,16 @@
 //! ([`FeedForward::load_safetensors`], [`FeedForward::save_safetensors`]).
 
 mod activation;
+#[cfg(feature = "flex")]
+mod blas;
 mod config;
+#[cfg(feature = "flex")]
+mod cpu;
 mod error;
 pub mod hf;
 pub mod inspect;
 mod model;
+mod op;
 mod preset;
 pub mod reader;
 pub mod scheme;
@@ -46,5 +51,13 @@ pub use config::{DropoutAt, FeedForwardConfig};
 pub use error::{ConfigError, Error};
 pub use hf::HfModel;
 pub use model::FeedForward;
+pub use op::Memory;
 pub use preset::Variant;
 pub use scheme::Scheme;
+
+/// The BLAS library whose SGEMM the FFN op uses on Flex (loaded at run time on first use; see
+/// the `FFN_BLAS` variable in the README), or `None` when it uses Flex's own matrix product.
+#[cfg(feature = "flex")]
+pub fn blas_library() -> Option<&'static str> {
+    blas::get().map(|blas| blas.path.as_str())
+}

@@ -23,7 +23,8 @@ use burn::nn::{Dropout, DropoutConfig, Linear, LinearConfig};
 use burn::tensor::{Device, Tensor};
 
 use crate::activation::ActivationState;
-use crate::{Activation, DropoutAt, FeedForwardConfig};
+use crate::op::{self, Spec};
+use crate::{Activation, DropoutAt, FeedForwardConfig, Memory};
 
 /// The position-wise feed-forward network, every variant: build it with
 /// [`FeedForwardConfig::init`].
@@ -58,6 +59,8 @@ pub struct FeedForward {
     dropout: Dropout,
     #[module(skip)]
     dropout_at: DropoutAt,
+    #[module(skip)]
+    memory: Memory,
     /// `φ`, recorded with the weights.
     activation: ActivationState,
 }
@@ -86,6 +89,7 @@ impl FeedForward {
             down: linear(config.d_ff, config.d_model, config.bias_down),
             dropout: DropoutConfig::new(config.dropout).init(),
             dropout_at: config.dropout_at,
+            memory: config.memory,
             activation: ActivationState::new(config.activation, device),
         }
     }
@@ -94,16 +98,67 @@ impl FeedForward {
     ///
     /// Dropout is active only on an autodiff device while the module is in training mode.
     ///
+    /// On a backend this build has the FFN op for (`op.rs`; the crate's backend features), the
+    /// network runs as that one operation with its own backward pass; elsewhere, and with
+    /// dropout on the hidden layer, as [`forward_composed`](Self::forward_composed). Both compute
+    /// the same function and gradients.
+    ///
     /// # Panics
     ///
     /// If the last dimension of `x` is not `d_model` (as burn's own layers do).
     pub fn forward<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
+        self.check_input(&x);
+        // Dropout on h is applied where it is active: as burn's `Dropout::forward` decides.
+        let hidden_dropout = self.dropout_at == DropoutAt::Hidden
+            && self.dropout.prob > 0.0
+            && self.dropout.training.is_enabled()
+            && x.device().is_autodiff();
+        if hidden_dropout || !op::supported(&x.device()) {
+            return self.forward_composed(x);
+        }
         let shape = x.dims();
-        assert!(
-            D >= 1 && shape[D - 1] == self.d_model(),
-            "FeedForward: the input's last dimension must be d_model = {}, got shape {shape:?}",
-            self.d_model(),
+        let x = x.reshape([-1, self.d_model() as i32]);
+        let (w_gate, w_up, b_gate, b_up) = match (&self.gate_up, &self.gate, &self.up) {
+            (Some(gate_up), _, _) => (None, gate_up, None, &gate_up.bias),
+            (None, gate, Some(up)) => (
+                gate.as_ref().map(|g| g.weight.val()),
+                up,
+                gate.as_ref().and_then(|g| g.bias.as_ref().map(|b| b.val())),
+                &up.bias,
+            ),
+            (None, _, None) => unreachable!("an unfused network has `up`"),
+        };
+        let spec = Spec {
+            activation: self.activation(),
+            gated: self.is_gated(),
+            memory: self.memory,
+        };
+        let y = op::feed_forward(
+            x,
+            w_gate,
+            w_up.weight.val(),
+            self.down.weight.val(),
+            b_gate,
+            b_up.as_ref().map(|b| b.val()),
+            self.down.bias.as_ref().map(|b| b.val()),
+            spec,
         );
+        let y = y.reshape(shape);
+        match self.dropout_at {
+            DropoutAt::Hidden => y,
+            DropoutAt::Output => self.dropout.forward(y),
+        }
+    }
+
+    /// [`forward`](Self::forward) composed from burn's tensor ops and differentiated by
+    /// autodiff: the reference the FFN op is tested against, and the path on backends without
+    /// the op.
+    ///
+    /// # Panics
+    ///
+    /// If the last dimension of `x` is not `d_model`.
+    pub fn forward_composed<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
+        self.check_input(&x);
         let phi = self.activation.activation;
 
         // h = φ(x W_gate + b_gate) ⊙ (x W_up + b_up)   (gated)
@@ -130,6 +185,15 @@ impl FeedForward {
             DropoutAt::Hidden => y,
             DropoutAt::Output => self.dropout.forward(y),
         }
+    }
+
+    fn check_input<const D: usize>(&self, x: &Tensor<D>) {
+        let shape = x.dims();
+        assert!(
+            D >= 1 && shape[D - 1] == self.d_model(),
+            "FeedForward: the input's last dimension must be d_model = {}, got shape {shape:?}",
+            self.d_model(),
+        );
     }
 
     /// This network with `W_gate` and `W_up` as one projection `[W_gate | W_up]` whose weight
@@ -226,6 +290,7 @@ impl FeedForward {
             .with_bias_down(self.down.bias.is_some())
             .with_dropout(self.dropout.prob)
             .with_dropout_at(self.dropout_at)
+            .with_memory(self.memory)
     }
 
     /// The number of trainable parameters (burn's [`Module::num_params`], here without the

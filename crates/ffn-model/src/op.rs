@@ -1,0 +1,650 @@
+//! # The FFN as one operation, with its own backward pass
+//!
+//! Composed from burn's tensor ops, the network leaves its backward pass to autodiff, which
+//! differentiates op by op: it keeps every intermediate (`x W_up`, `φ(·)`, the gating product),
+//! runs one element-wise pass per op in each direction, and on the fused `[W_gate | W_up]`
+//! projection zero-pads each half's gradient back to full width. Written as one operation,
+//! forward and backward are the handful of matrix products and element-wise passes the math
+//! needs. For `x` of shape `[T, d_model]` (any leading dimensions are flattened into `T`):
+//!
+//! ```text
+//! forward                                  backward (given ∂L/∂y = dy)
+//! a = x W_up + b_up          (ungated)     dW_down = hᵀ dy,   db_down = Σ_T dy
+//! g = x W_gate + b_gate      (gated)       dh = dy W_downᵀ
+//! u = x W_up + b_up          (gated)       da = dh ⊙ φ'(a)                       (ungated)
+//! h = φ(a)  or  φ(g) ⊙ u                   dg = dh ⊙ u ⊙ φ'(g),  du = dh ⊙ φ(g)   (gated)
+//! y = h W_down + b_down                    dW_up = xᵀ da,  db_up = Σ_T da  (likewise gate)
+//!                                          dx = da W_upᵀ  (gated: dg W_gateᵀ + du W_upᵀ)
+//! ```
+//!
+//! Six matrix products in all (gated: nine, or six of double width when fused), each skipped
+//! when nothing needs its result (`dx` when the input does not require a gradient). With the
+//! fused projection, `[g | u] = x [W_gate | W_up]` is one product, `[dg | du]` is written as one
+//! tensor, and `dW_gate_up = xᵀ [dg | du]` and `dx = [dg | du] [W_gate | W_up]ᵀ` are one product
+//! each.
+//!
+//! What the backward keeps ([`Memory`]): `x` and the pre-activations `a` (or `g`, `u`), and, in
+//! [`Memory::Save`] mode, `h`; in [`Memory::Recompute`] mode `h` is recomputed from the
+//! pre-activations in the backward pass (one element-wise pass, the Liger-Kernel trade).
+//!
+//! Each backend gets the op through burn's backend extensions. The matrix products and the two
+//! element-wise passes are the [`Kernels`] of a backend: burn's own ops by default, a tuned
+//! SGEMM and vectorised element-wise loops on Flex (`cpu.rs`).
+
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, NodeGuard, Ops, OpsKind};
+use burn::backend::autodiff::Autodiff;
+use burn::backend::tensor::FloatTensor;
+use burn::backend::{Backend, ExtensionType, Slice, TensorMetadata, backend_extension};
+use serde::{Deserialize, Serialize};
+
+use crate::Activation;
+
+/// What the FFN's backward pass keeps from the forward pass.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Memory {
+    /// Keep `x`, the pre-activations and the hidden activations `h`.
+    #[default]
+    Save,
+    /// Keep `x` and the pre-activations; recompute `h` in the backward pass (one element-wise
+    /// pass more, one `[tokens, d_ff]` tensor less per layer).
+    Recompute,
+}
+
+/// How the op is to compute: the activation, gating, layout and memory mode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Spec {
+    pub activation: Activation,
+    pub gated: bool,
+    pub memory: Memory,
+}
+
+/// A tensor that may be absent (a bias that is switched off, `W_gate` of an ungated or fused
+/// network).
+#[derive(ExtensionType, Debug)]
+pub enum Maybe<B: Backend> {
+    Present(FloatTensor<B>),
+    Absent,
+}
+
+impl<B: Backend> Maybe<B> {
+    fn into_option(self) -> Option<FloatTensor<B>> {
+        match self {
+            Maybe::Present(t) => Some(t),
+            Maybe::Absent => None,
+        }
+    }
+
+    fn from_option(t: Option<FloatTensor<B>>) -> Self {
+        t.map_or(Maybe::Absent, Maybe::Present)
+    }
+}
+
+/// The pre-activations (and, with the same shapes, their gradients).
+#[derive(Debug, Clone)]
+pub enum Pre<B: Backend> {
+    /// `a = x W_up + b_up` of an ungated network, `[T, d_ff]`.
+    Plain(FloatTensor<B>),
+    /// `g` and `u` of a gated network, each `[T, d_ff]`.
+    Gated(FloatTensor<B>, FloatTensor<B>),
+    /// `[g | u]` of a fused gated network, `[T, 2·d_ff]`.
+    Fused(FloatTensor<B>),
+}
+
+/// The FFN op. Call it through [`feed_forward`](crate::op::feed_forward).
+#[backend_extension(
+    Flex: cfg(feature = "flex"),
+    NdArray: cfg(feature = "ndarray"),
+    Cube: cfg(feature = "cube"),
+    Autodiff
+)]
+pub trait FfnOps: Backend {
+    /// `y = FFN(x)` for `x: [T, d_model]`. `w_up` is `[d_model, 2·d_ff]` (`[W_gate | W_up]`,
+    /// with `b_up` its `[b_gate | b_up]`) when the network is gated and `w_gate` is absent.
+    #[allow(clippy::too_many_arguments)]
+    fn feed_forward(
+        x: FloatTensor<Self>,
+        #[extension_type] w_gate: Maybe<Self>,
+        w_up: FloatTensor<Self>,
+        w_down: FloatTensor<Self>,
+        #[extension_type] b_gate: Maybe<Self>,
+        #[extension_type] b_up: Maybe<Self>,
+        #[extension_type] b_down: Maybe<Self>,
+        spec: Spec,
+    ) -> FloatTensor<Self>;
+}
+
+/// The pieces of the op that a backend may compute its own way; the defaults compose burn's ops.
+pub trait Kernels: Backend {
+    /// `lhs · rhs` for 2-D operands, either of which may be a transposed view.
+    fn ffn_matmul(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
+        Self::float_matmul(lhs, rhs)
+    }
+
+    /// `h = φ(a)` or `h = φ(g) ⊙ u`.
+    fn ffn_hidden(pre: &Pre<Self>, activation: Activation) -> FloatTensor<Self> {
+        composed::hidden::<Self>(pre, activation)
+    }
+
+    /// The gradient of the pre-activations, given `dh = ∂L/∂h`, in the form of `pre`.
+    fn ffn_hidden_backward(
+        dh: FloatTensor<Self>,
+        pre: &Pre<Self>,
+        activation: Activation,
+    ) -> Pre<Self> {
+        composed::hidden_backward::<Self>(dh, pre, activation)
+    }
+}
+
+#[cfg(feature = "ndarray")]
+impl Kernels for burn::backend::NdArray {}
+#[cfg(feature = "cube")]
+impl Kernels for burn::backend::Cube {}
+
+/// The inputs of the op for one backend, biases and `W_gate` optional.
+struct Weights<B: Backend> {
+    w_gate: Option<FloatTensor<B>>,
+    w_up: FloatTensor<B>,
+    w_down: FloatTensor<B>,
+    b_gate: Option<FloatTensor<B>>,
+    b_up: Option<FloatTensor<B>>,
+    b_down: Option<FloatTensor<B>>,
+}
+
+impl<B: Backend> Clone for Weights<B> {
+    fn clone(&self) -> Self {
+        Self {
+            w_gate: self.w_gate.clone(),
+            w_up: self.w_up.clone(),
+            w_down: self.w_down.clone(),
+            b_gate: self.b_gate.clone(),
+            b_up: self.b_up.clone(),
+            b_down: self.b_down.clone(),
+        }
+    }
+}
+
+impl<B: Backend> core::fmt::Debug for Weights<B> {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.write_str("Weights")
+    }
+}
+
+/// `t + b`, with `b: [n]` broadcast over the rows of `t: [T, n]`.
+fn add_bias<B: Backend>(t: FloatTensor<B>, b: Option<FloatTensor<B>>) -> FloatTensor<B> {
+    match b {
+        Some(b) => {
+            let n = b.shape()[0];
+            B::float_add(t, B::float_reshape(b, [1, n].into()))
+        }
+        None => t,
+    }
+}
+
+/// `Σ_T t`: the gradient of a bias from that of the rows it was added to, `[T, n] → [n]`.
+fn bias_grad<B: Backend>(t: FloatTensor<B>) -> FloatTensor<B> {
+    let n = t.shape()[1];
+    B::float_reshape(B::float_sum_dim(t, 0), [n].into())
+}
+
+fn t<B: Backend>(m: FloatTensor<B>) -> FloatTensor<B> {
+    B::float_transpose(m)
+}
+
+/// The pre-activations: `a`, `(g, u)` or `[g | u]`.
+fn project_in<B: Kernels>(x: &FloatTensor<B>, w: &Weights<B>, spec: Spec) -> Pre<B> {
+    let linear = |weight: &FloatTensor<B>, bias: &Option<FloatTensor<B>>| {
+        add_bias::<B>(B::ffn_matmul(x.clone(), weight.clone()), bias.clone())
+    };
+    match (spec.gated, &w.w_gate) {
+        (false, _) => Pre::Plain(linear(&w.w_up, &w.b_up)),
+        (true, Some(w_gate)) => Pre::Gated(linear(w_gate, &w.b_gate), linear(&w.w_up, &w.b_up)),
+        (true, None) => Pre::Fused(linear(&w.w_up, &w.b_up)),
+    }
+}
+
+/// `y = h W_down + b_down` and the hidden activations `h`.
+fn forward<B: Kernels>(x: &FloatTensor<B>, w: &Weights<B>, spec: Spec) -> (Pre<B>, FloatTensor<B>) {
+    let pre = project_in(x, w, spec);
+    let h = B::ffn_hidden(&pre, spec.activation);
+    (pre, h)
+}
+
+fn project_out<B: Kernels>(h: FloatTensor<B>, w: &Weights<B>) -> FloatTensor<B> {
+    add_bias::<B>(B::ffn_matmul(h, w.w_down.clone()), w.b_down.clone())
+}
+
+/// The op on a backend without autodiff: the forward pass only.
+fn inference<B: Kernels>(x: FloatTensor<B>, w: Weights<B>, spec: Spec) -> FloatTensor<B> {
+    let (_, h) = forward(&x, &w, spec);
+    project_out(h, &w)
+}
+
+macro_rules! inference_impl {
+    ($backend:ty) => {
+        impl FfnOps for $backend {
+            fn feed_forward(
+                x: FloatTensor<Self>,
+                w_gate: Maybe<Self>,
+                w_up: FloatTensor<Self>,
+                w_down: FloatTensor<Self>,
+                b_gate: Maybe<Self>,
+                b_up: Maybe<Self>,
+                b_down: Maybe<Self>,
+                spec: Spec,
+            ) -> FloatTensor<Self> {
+                let w = Weights {
+                    w_gate: w_gate.into_option(),
+                    w_up,
+                    w_down,
+                    b_gate: b_gate.into_option(),
+                    b_up: b_up.into_option(),
+                    b_down: b_down.into_option(),
+                };
+                inference::<Self>(x, w, spec)
+            }
+        }
+    };
+}
+
+#[cfg(feature = "flex")]
+inference_impl!(burn::backend::Flex);
+#[cfg(feature = "ndarray")]
+inference_impl!(burn::backend::NdArray);
+#[cfg(feature = "cube")]
+inference_impl!(burn::backend::Cube);
+
+/// The parents of the op's node, in order: `x`, then the weights and biases that are present.
+#[derive(Debug, Clone, Copy)]
+struct Present {
+    w_gate: bool,
+    b_gate: bool,
+    b_up: bool,
+    b_down: bool,
+}
+
+/// The backward step; `N` is the number of parents (3 to 7).
+#[derive(Debug)]
+struct FeedForwardBackward;
+
+/// What the backward pass keeps.
+#[derive(Debug, Clone)]
+struct Saved<B: Backend> {
+    x: FloatTensor<B>,
+    weights: Weights<B>,
+    pre: Pre<B>,
+    /// `h`, unless it is recomputed ([`Memory::Recompute`]).
+    h: Option<FloatTensor<B>>,
+    spec: Spec,
+    present: Present,
+}
+
+impl<B: Kernels, const N: usize> Backward<B, N> for FeedForwardBackward {
+    type State = Saved<B>;
+
+    fn backward(self, ops: Ops<Self::State, N>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let Saved {
+            x,
+            weights: w,
+            pre,
+            h,
+            spec,
+            present,
+        } = ops.state;
+        let dy = grads.consume::<B>(&ops.node);
+
+        // Parents in the order `feed_forward` listed them.
+        let mut parents = ops.parents.into_iter();
+        let mut next = |is_present: bool| if is_present { parents.next().flatten() } else { None };
+        let node_x = next(true);
+        let node_w_gate = next(present.w_gate);
+        let node_w_up = next(true);
+        let node_w_down = next(true);
+        let node_b_gate = next(present.b_gate);
+        let node_b_up = next(present.b_up);
+        let node_b_down = next(present.b_down);
+
+        // dW_down = hᵀ dy,  db_down = Σ_T dy
+        if let Some(node) = node_w_down {
+            let h = h.unwrap_or_else(|| B::ffn_hidden(&pre, spec.activation));
+            grads.register::<B>(node.id, B::ffn_matmul(t::<B>(h), dy.clone()));
+        }
+        if let Some(node) = node_b_down {
+            grads.register::<B>(node.id, bias_grad::<B>(dy.clone()));
+        }
+
+        // dh = dy W_downᵀ, then through φ (and the gating product) to the pre-activations.
+        let dh = B::ffn_matmul(dy, t::<B>(w.w_down));
+        let dpre = B::ffn_hidden_backward(dh, &pre, spec.activation);
+        drop(pre);
+
+        // dW = xᵀ d(pre),  db = Σ_T d(pre),  dx = Σ d(pre) Wᵀ over the projections.
+        let projections = match dpre {
+            Pre::Plain(da) | Pre::Fused(da) => vec![(da, w.w_up, node_w_up, node_b_up)],
+            Pre::Gated(dg, du) => {
+                let w_gate = w.w_gate.expect("a gated, unfused op has W_gate");
+                vec![
+                    (dg, w_gate, node_w_gate, node_b_gate),
+                    (du, w.w_up, node_w_up, node_b_up),
+                ]
+            }
+        };
+        let mut dx: Option<FloatTensor<B>> = None;
+        for (d, weight, node_w, node_b) in projections {
+            if let Some(node) = node_w {
+                grads.register::<B>(node.id, B::ffn_matmul(t::<B>(x.clone()), d.clone()));
+            }
+            if let Some(node) = node_b {
+                grads.register::<B>(node.id, bias_grad::<B>(d.clone()));
+            }
+            if node_x.is_some() {
+                let term = B::ffn_matmul(d, t::<B>(weight));
+                dx = Some(match dx {
+                    Some(sum) => B::float_add(sum, term),
+                    None => term,
+                });
+            }
+        }
+        if let (Some(node), Some(dx)) = (node_x, dx) {
+            grads.register::<B>(node.id, dx);
+        }
+    }
+}
+
+/// Registers the op with `N` parents and computes its forward pass.
+fn tracked<B: Kernels, C: CheckpointStrategy, const N: usize>(
+    nodes: Vec<NodeGuard>,
+    x: FloatTensor<B>,
+    w: Weights<B>,
+    spec: Spec,
+    present: Present,
+) -> FloatTensor<Autodiff<B, C>> {
+    let nodes: [NodeGuard; N] = nodes.try_into().expect("N parents");
+    match FeedForwardBackward
+        .prepare::<C>(nodes)
+        .compute_bound()
+        .stateful()
+    {
+        OpsKind::Tracked(prep) => {
+            let (pre, h) = forward(&x, &w, spec);
+            let y = project_out(h.clone(), &w);
+            let h = (spec.memory == Memory::Save).then_some(h);
+            let saved = Saved {
+                x,
+                weights: w,
+                pre,
+                h,
+                spec,
+                present,
+            };
+            prep.finish(saved, y)
+        }
+        OpsKind::UnTracked(prep) => prep.finish(inference(x, w, spec)),
+    }
+}
+
+impl<B: Kernels, C: CheckpointStrategy> FfnOps for Autodiff<B, C> {
+    fn feed_forward(
+        x: FloatTensor<Self>,
+        w_gate: Maybe<Self>,
+        w_up: FloatTensor<Self>,
+        w_down: FloatTensor<Self>,
+        b_gate: Maybe<Self>,
+        b_up: Maybe<Self>,
+        b_down: Maybe<Self>,
+        spec: Spec,
+    ) -> FloatTensor<Self> {
+        let (w_gate, b_gate, b_up, b_down) = (
+            w_gate.into_option(),
+            b_gate.into_option(),
+            b_up.into_option(),
+            b_down.into_option(),
+        );
+        let present = Present {
+            w_gate: w_gate.is_some(),
+            b_gate: b_gate.is_some(),
+            b_up: b_up.is_some(),
+            b_down: b_down.is_some(),
+        };
+        let mut nodes = Vec::with_capacity(7);
+        let mut inner = |t: FloatTensor<Self>| {
+            let (primitive, node) = t.into_parts();
+            nodes.push(node);
+            primitive
+        };
+        let x = inner(x);
+        let w_gate = w_gate.map(&mut inner);
+        let w_up = inner(w_up);
+        let w_down = inner(w_down);
+        let b_gate = b_gate.map(&mut inner);
+        let b_up = b_up.map(&mut inner);
+        let b_down = b_down.map(&mut inner);
+        let w = Weights {
+            w_gate,
+            w_up,
+            w_down,
+            b_gate,
+            b_up,
+            b_down,
+        };
+        match nodes.len() {
+            3 => tracked::<B, C, 3>(nodes, x, w, spec, present),
+            4 => tracked::<B, C, 4>(nodes, x, w, spec, present),
+            5 => tracked::<B, C, 5>(nodes, x, w, spec, present),
+            6 => tracked::<B, C, 6>(nodes, x, w, spec, present),
+            7 => tracked::<B, C, 7>(nodes, x, w, spec, present),
+            n => unreachable!("the FFN op has 3 to 7 inputs, got {n}"),
+        }
+    }
+}
+
+/// The element-wise passes composed from burn's ops: every backend's default.
+pub mod composed {
+    use super::*;
+
+    use std::f64::consts::{FRAC_1_SQRT_2, FRAC_2_SQRT_PI};
+
+    /// `1/√(2π)`, the standard normal density at 0.
+    const FRAC_1_SQRT_2PI: f64 = FRAC_2_SQRT_PI * FRAC_1_SQRT_2 * 0.5;
+    /// `2 √(2/π)`: `2u = 2√(2/π) (x + 0.044715 x³)` in the tanh form of GELU.
+    const TWO_SQRT_2_OVER_PI: f64 = 2.0 * FRAC_2_SQRT_PI * FRAC_1_SQRT_2;
+    const GELU_CUBIC: f64 = 0.044715;
+
+    fn mul<B: Backend>(a: FloatTensor<B>, b: FloatTensor<B>) -> FloatTensor<B> {
+        B::float_mul(a, b)
+    }
+
+    fn scale<B: Backend>(a: FloatTensor<B>, s: f64) -> FloatTensor<B> {
+        B::float_mul_scalar(a, s.into())
+    }
+
+    fn shift<B: Backend>(a: FloatTensor<B>, s: f64) -> FloatTensor<B> {
+        B::float_add_scalar(a, s.into())
+    }
+
+    /// `1 - a`.
+    fn one_minus<B: Backend>(a: FloatTensor<B>) -> FloatTensor<B> {
+        shift::<B>(B::float_neg(a), 1.0)
+    }
+
+    /// `φ(a)` and `upstream ⊙ φ'(a)`.
+    pub(super) fn activate_and_backward<B: Backend>(
+        a: FloatTensor<B>,
+        upstream: Option<FloatTensor<B>>,
+        activation: Activation,
+    ) -> (FloatTensor<B>, Option<FloatTensor<B>>) {
+        let times = |d: FloatTensor<B>| upstream.clone().map(|up| mul::<B>(up, d));
+        match activation {
+            Activation::Relu => {
+                let r = B::relu(a);
+                let d = upstream.map(|up| B::relu_backward(r.clone(), up));
+                (r, d)
+            }
+            // GELU(a) = a Φ(a),  GELU'(a) = Φ(a) + a φ_N(a),  Φ(a) = ½ (1 + erf(a/√2))
+            Activation::Gelu => {
+                let cdf = scale::<B>(
+                    shift::<B>(B::float_erf(scale::<B>(a.clone(), FRAC_1_SQRT_2)), 1.0),
+                    0.5,
+                );
+                let phi = mul::<B>(a.clone(), cdf.clone());
+                let d = upstream.map(|up| {
+                    let a2 = mul::<B>(a.clone(), a.clone());
+                    let pdf = scale::<B>(B::float_exp(scale::<B>(a2, -0.5)), FRAC_1_SQRT_2PI);
+                    mul::<B>(up, B::float_add(cdf, mul::<B>(a.clone(), pdf)))
+                });
+                (phi, d)
+            }
+            // a σ(2u), 2u = k (a + c a³):  φ' = s + a s (1 - s) k (1 + 3 c a²),  s = σ(2u)
+            Activation::GeluTanh => {
+                let a2 = mul::<B>(a.clone(), a.clone());
+                let two_u = mul::<B>(
+                    shift::<B>(
+                        scale::<B>(a2.clone(), GELU_CUBIC * TWO_SQRT_2_OVER_PI),
+                        TWO_SQRT_2_OVER_PI,
+                    ),
+                    a.clone(),
+                );
+                let s = B::sigmoid(two_u);
+                let phi = mul::<B>(a.clone(), s.clone());
+                let d = upstream.map(|up| {
+                    let du = shift::<B>(
+                        scale::<B>(a2, 3.0 * GELU_CUBIC * TWO_SQRT_2_OVER_PI),
+                        TWO_SQRT_2_OVER_PI,
+                    );
+                    let ds = mul::<B>(mul::<B>(phi.clone(), one_minus::<B>(s.clone())), du);
+                    mul::<B>(up, B::float_add(s, ds))
+                });
+                (phi, d)
+            }
+            // SiLU(a) = a σ(a),  SiLU'(a) = σ(a) (1 + a (1 - σ(a)))
+            Activation::Silu => {
+                let s = B::sigmoid(a.clone());
+                let phi = mul::<B>(a.clone(), s.clone());
+                let d = upstream.map(|up| {
+                    let inner = shift::<B>(mul::<B>(a, one_minus::<B>(s.clone())), 1.0);
+                    mul::<B>(up, mul::<B>(s, inner))
+                });
+                (phi, d)
+            }
+            // σ'(a) = σ(a) (1 - σ(a))
+            Activation::Sigmoid => {
+                let s = B::sigmoid(a);
+                let d = times(mul::<B>(s.clone(), one_minus::<B>(s.clone())));
+                (s, d)
+            }
+            Activation::Identity => (a, upstream),
+            // ReLU(a)², derivative 2 ReLU(a)
+            Activation::Relu2 => {
+                let r = B::relu(a);
+                let d = times(scale::<B>(r.clone(), 2.0));
+                (mul::<B>(r.clone(), r), d)
+            }
+            // tanh'(a) = 1 - tanh(a)²
+            Activation::Tanh => {
+                let th = B::float_tanh(a);
+                let d = times(one_minus::<B>(mul::<B>(th.clone(), th.clone())));
+                (th, d)
+            }
+        }
+    }
+
+    /// `[g | u]` → `(g, u)`.
+    pub(super) fn split<B: Backend>(gu: &FloatTensor<B>) -> (FloatTensor<B>, FloatTensor<B>) {
+        let [rows, width] = gu.shape().dims::<2>();
+        let half = |start: usize| {
+            let slices = [
+                Slice::new(0, Some(rows as isize), 1),
+                Slice::new(start as isize, Some((start + width / 2) as isize), 1),
+            ];
+            B::float_slice(gu.clone(), &slices)
+        };
+        (half(0), half(width / 2))
+    }
+
+    pub fn hidden<B: Backend>(pre: &Pre<B>, activation: Activation) -> FloatTensor<B> {
+        match pre {
+            Pre::Plain(a) => activate_and_backward::<B>(a.clone(), None, activation).0,
+            Pre::Gated(g, u) => {
+                let (phi, _) = activate_and_backward::<B>(g.clone(), None, activation);
+                mul::<B>(phi, u.clone())
+            }
+            Pre::Fused(gu) => {
+                let (g, u) = split::<B>(gu);
+                hidden::<B>(&Pre::Gated(g, u), activation)
+            }
+        }
+    }
+
+    pub fn hidden_backward<B: Backend>(
+        dh: FloatTensor<B>,
+        pre: &Pre<B>,
+        activation: Activation,
+    ) -> Pre<B> {
+        match pre {
+            Pre::Plain(a) => {
+                let (_, da) = activate_and_backward::<B>(a.clone(), Some(dh), activation);
+                Pre::Plain(da.expect("asked for"))
+            }
+            // dg = dh ⊙ u ⊙ φ'(g),  du = dh ⊙ φ(g)
+            Pre::Gated(g, u) => {
+                let upstream = mul::<B>(dh.clone(), u.clone());
+                let (phi, dg) = activate_and_backward::<B>(g.clone(), Some(upstream), activation);
+                Pre::Gated(dg.expect("asked for"), mul::<B>(dh, phi))
+            }
+            Pre::Fused(gu) => {
+                let (g, u) = split::<B>(gu);
+                let Pre::Gated(dg, du) = hidden_backward::<B>(dh, &Pre::Gated(g, u), activation)
+                else {
+                    unreachable!("gated in, gated out")
+                };
+                Pre::Fused(B::float_cat(vec![dg, du], 1))
+            }
+        }
+    }
+}
+
+/// Whether `device`'s backend has the op in this build (see the crate's backend features).
+pub fn supported(device: &burn::tensor::Device) -> bool {
+    use burn::backend::DispatchDevice;
+    let device = device.clone().without_autodiff();
+    match device.as_dispatch() {
+        #[cfg(feature = "flex")]
+        DispatchDevice::Flex(_) => true,
+        #[cfg(feature = "ndarray")]
+        DispatchDevice::NdArray(_) => true,
+        #[cfg(feature = "cube")]
+        DispatchDevice::Cube(_) => true,
+        #[allow(unreachable_patterns)]
+        _ => false,
+    }
+}
+
+/// `y = FFN(x)` through the op, for `x: [T, d_model]` on a [`supported`] device.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn feed_forward(
+    x: burn::tensor::Tensor<2>,
+    w_gate: Option<burn::tensor::Tensor<2>>,
+    w_up: burn::tensor::Tensor<2>,
+    w_down: burn::tensor::Tensor<2>,
+    b_gate: Option<burn::tensor::Tensor<1>>,
+    b_up: Option<burn::tensor::Tensor<1>>,
+    b_down: Option<burn::tensor::Tensor<1>>,
+    spec: Spec,
+) -> burn::tensor::Tensor<2> {
+    use burn::backend::Dispatch;
+    let maybe = |t: Option<FloatTensor<Dispatch>>| Maybe::<Dispatch>::from_option(t);
+    let y = <Dispatch as FfnOps>::feed_forward(
+        x.into_dispatch(),
+        maybe(w_gate.map(|t| t.into_dispatch())),
+        w_up.into_dispatch(),
+        w_down.into_dispatch(),
+        maybe(b_gate.map(|t| t.into_dispatch())),
+        maybe(b_up.map(|t| t.into_dispatch())),
+        maybe(b_down.map(|t| t.into_dispatch())),
+        spec,
+    );
+    burn::tensor::Tensor::from_dispatch(y)
+}
