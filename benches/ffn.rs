@@ -2,24 +2,30 @@
 //! compiled in, timing three things:
 //!
 //! - `forward`: `y = FFN(x)` without autodiff;
-//! - `fwd+bwd`: `L = Σ y²`, `∇L` (autodiff);
-//! - `step`: `fwd+bwd` plus one AdamW update.
+//! - `fwd+bwd`: `L = Σ y ⊙ g` for a fixed random `g`, and every gradient, the input's
+//!   included: what an FFN inside a network computes in training;
+//! - `fwd+bwd-w`: the same with an input that needs no gradient (weights only);
+//! - `step`: `fwd+bwd` plus one AdamW update;
+//! - `block`: a pre-norm residual block, `y = x + FFN(LayerNorm(x))`, forward and backward with
+//!   the input's gradient.
 //!
 //! FLOPs are counted as in `FeedForwardConfig::flops_per_token` (2 per multiply-add of the
-//! matrix products): the forward's, and 3× that for `fwd+bwd` and `step`. Gated variants also
-//! run with the fused `[W_gate | W_up]` projection (backend `<name>-fused`).
+//! matrix products): the forward's, 3× that with the input gradient, and 2.5× (gated 7/3×)
+//! without it. Each backend runs the FFN op (`<backend>`), the same network composed from
+//! burn's ops and differentiated by autodiff (`<backend>-composed`, `--paths op,composed`), and
+//! gated variants also with the fused `[W_gate | W_up]` projection (`<backend>-fused`).
 //!
 //! `--memory` measures instead the peak memory of training steps, each configuration in a
-//! fresh process: the resident set's high-water mark over three AdamW steps (from
-//! `/proc/self/status`, reset through `/proc/self/clear_refs`) minus the resident set just
-//! before them, with the model, its input and the optimizer built. `tools/bench_torch.py
-//! --memory` does the same for PyTorch. Configurations: plain, fused, and with burn's gradient
-//! checkpointing.
+//! fresh process: the resident set's high-water mark over three AdamW steps with the input
+//! gradient (from `/proc/self/status`, reset through `/proc/self/clear_refs`) minus the
+//! resident set just before them, with the model, its input and the optimizer built.
+//! `tools/bench_torch.py --memory` does the same for PyTorch. Configurations: `memory = "save"`
+//! and `"recompute"`, unfused and fused.
 //!
 //! ```text
 //! cargo bench --bench ffn                            # the table
 //! cargo bench --bench ffn -- --json rows.jsonl       # also one JSON object per row
-//! cargo bench --bench ffn -- --repeats 3 --variants SwiGLU,FFN_GELU
+//! cargo bench --bench ffn -- --repeats 3 --variants SwiGLU,FFN_GELU --modes fwd+bwd,block
 //! cargo bench --bench ffn -- --memory                # peak memory of a training step
 //! cargo bench --bench ffn --features wgpu -- --backends wgpu   # on the GPU
 //! python3 tools/bench_compare.py                     # side by side with PyTorch, ratios
@@ -29,9 +35,10 @@
 use std::io::Write;
 use std::time::Instant;
 
+use burn::nn::{LayerNorm, LayerNormConfig};
 use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::{Device, Distribution, Tensor};
-use ffn::model::{FeedForward, FeedForwardConfig, Variant};
+use ffn::model::{FeedForward, FeedForwardConfig, Memory, Variant};
 
 /// `(d_model, tokens)`: BERT-base-like at 2048 tokens, Transformer-base-like at 4096.
 const SHAPES: [(usize, usize); 2] = [(512, 4096), (768, 2048)];
@@ -76,17 +83,35 @@ fn median(repeats: usize, mut f: impl FnMut()) -> f64 {
     times[times.len() / 2]
 }
 
-fn loss(ffn: &FeedForward, x: Tensor<2>) -> Tensor<1> {
-    let y = ffn.forward(x);
-    (y.clone() * y).sum()
+/// The FFN computed through the op or composed from burn's ops.
+#[derive(Clone, Copy, PartialEq)]
+enum Path {
+    Op,
+    Composed,
 }
 
-/// The training-step setups whose memory is measured: `(name, fused, gradient checkpointing)`.
-const MEMORY_SETUPS: [(&str, bool, bool); 3] = [
-    ("plain", false, false),
-    ("fused", true, false),
-    ("checkpointing", false, true),
+fn forward(ffn: &FeedForward, x: Tensor<2>, path: Path) -> Tensor<2> {
+    match path {
+        Path::Op => ffn.forward(x),
+        Path::Composed => ffn.forward_composed(x),
+    }
+}
+
+/// `L = Σ y ⊙ g`: its gradient with respect to `y` is `g`, as from the rest of a network.
+fn loss(ffn: &FeedForward, x: Tensor<2>, g: &Tensor<2>, path: Path) -> Tensor<1> {
+    (forward(ffn, x, path) * g.clone()).sum()
+}
+
+/// The training-step setups whose memory is measured: `(name, fused, memory)`.
+const MEMORY_SETUPS: [(&str, bool, Memory); 4] = [
+    ("save", false, Memory::Save),
+    ("recompute", false, Memory::Recompute),
+    ("fused", true, Memory::Save),
+    ("fused-recompute", true, Memory::Recompute),
 ];
+
+/// Every timed mode, in table order.
+const MODES: [&str; 5] = ["forward", "fwd+bwd", "fwd+bwd-w", "step", "block"];
 
 /// A field of `/proc/self/status` in MiB (Linux).
 fn status_mib(field: &str) -> f64 {
@@ -102,7 +127,7 @@ fn status_mib(field: &str) -> f64 {
 /// In a fresh process: the peak memory of three AdamW steps of one configuration, as one
 /// JSON object on stdout.
 fn memory_child(backend: &str, variant: Variant, d_model: usize, tokens: usize, setup: &str) {
-    let (_, fused, checkpointing) = *MEMORY_SETUPS
+    let (_, fused, memory) = *MEMORY_SETUPS
         .iter()
         .find(|s| s.0 == setup)
         .expect("a setup name");
@@ -110,21 +135,24 @@ fn memory_child(backend: &str, variant: Variant, d_model: usize, tokens: usize, 
         .pop()
         .expect("a compiled backend")
         .1;
-    let mut autodiff = device.autodiff();
-    if checkpointing {
-        autodiff = autodiff.gradient_checkpointing();
-    }
+    let autodiff = device.autodiff();
     autodiff.seed(0);
-    let config = FeedForwardConfig::preset(variant, d_model).with_fused_gate_up(fused);
+    let config = FeedForwardConfig::preset(variant, d_model)
+        .with_fused_gate_up(fused)
+        .with_memory(memory);
     let mut model = config.init(&autodiff);
-    let x = Tensor::<2>::random([tokens, d_model], Distribution::Normal(0.0, 1.0), &autodiff);
-    let _: f32 = x.clone().sum().into_scalar();
+    let x = Tensor::<2>::random([tokens, d_model], Distribution::Normal(0.0, 1.0), &autodiff)
+        .require_grad();
+    let g = Tensor::<2>::random([tokens, d_model], Distribution::Normal(0.0, 1.0), &autodiff);
+    let _: f32 = (x.clone().sum() + g.clone().sum()).into_scalar();
     let _: f32 = model.down().weight.val().sum().into_scalar(); // weights drawn
     let mut optim = AdamWConfig::new().init();
     let before = status_mib("VmRSS:");
     std::fs::write("/proc/self/clear_refs", "5").expect("reset the RSS high-water mark");
     for _ in 0..3 {
-        let grads = GradientsParams::from_grads(loss(&model, x.clone()).backward(), &model);
+        let grads = loss(&model, x.clone(), &g, Path::Op).backward();
+        let _: f32 = x.grad(&grads).expect("dx").sum().into_scalar();
+        let grads = GradientsParams::from_grads(grads, &model);
         model = optim.step(1e-4, model, grads);
         let _: f32 = model.down().weight.val().sum().into_scalar();
     }
@@ -210,91 +238,135 @@ fn main() {
         memory(wanted.as_deref(), &variants, &mut json);
         return;
     }
+    let modes: Vec<String> = value("--modes").map_or(MODES.map(String::from).to_vec(), |list| {
+        list.split(',').map(str::to_string).collect()
+    });
+    let paths: Vec<Path> = value("--paths").map_or(vec![Path::Op, Path::Composed], |list| {
+        list.split(',')
+            .map(|p| match p {
+                "op" => Path::Op,
+                "composed" => Path::Composed,
+                other => panic!("--paths: op or composed, not {other}"),
+            })
+            .collect()
+    });
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     println!(
-        "FFN benchmark: median of {repeats}, {threads} threads, GFLOP/s of the matrix products"
+        "FFN benchmark: median of {repeats}, {threads} threads, GFLOP/s of the matrix products; BLAS: {}",
+        ffn::model::blas_library().unwrap_or("none (Flex's gemm)")
     );
     println!(
-        "{:<13} {:<13} {:>7} {:>6} {:>6} {:<8} {:>9} {:>11} {:>8}",
+        "{:<16} {:<13} {:>7} {:>6} {:>6} {:<9} {:>9} {:>11} {:>8}",
         "backend", "variant", "d_model", "d_ff", "tokens", "mode", "ms", "tokens/s", "GFLOP/s"
     );
     for (backend, device) in backends(wanted.as_deref()) {
         for &(d_model, tokens) in &SHAPES {
-            for (&variant, fused) in variants
-                .iter()
-                .flat_map(|v| [(v, false), (v, true)])
-                .filter(|(v, fused)| v.gated() || !fused)
-            {
-                let config = FeedForwardConfig::preset(variant, d_model).with_fused_gate_up(fused);
-                let label = if fused {
-                    format!("{backend}-fused")
-                } else {
-                    backend.to_string()
-                };
-                let flops = (config.flops_per_token() * tokens as u64) as f64;
-                let autodiff = device.clone().autodiff();
-                device.seed(0);
-
-                let plain = config.init(&device);
-                let x =
-                    Tensor::<2>::random([tokens, d_model], Distribution::Normal(0.0, 1.0), &device);
-                let forward = median(repeats, || {
-                    let _: f32 = plain.forward(x.clone()).sum().into_scalar();
-                });
-
-                let ffn = config.init(&autodiff);
-                let xa = Tensor::<2>::random(
-                    [tokens, d_model],
-                    Distribution::Normal(0.0, 1.0),
-                    &autodiff,
-                );
-                let backward = median(repeats, || {
-                    let grads = loss(&ffn, xa.clone()).backward();
-                    let _: f32 = ffn
-                        .down()
-                        .weight
-                        .val()
-                        .grad(&grads)
-                        .expect("a gradient")
-                        .sum()
-                        .into_scalar();
-                });
-
-                let mut model = Some(config.init(&autodiff));
-                let mut optim = AdamWConfig::new().init();
-                let step = median(repeats, || {
-                    let m = model.take().expect("the model");
-                    let grads = GradientsParams::from_grads(loss(&m, xa.clone()).backward(), &m);
-                    let m = optim.step(1e-4, m, grads);
-                    let _: f32 = m.down().weight.val().sum().into_scalar();
-                    model = Some(m);
-                });
-
-                for (mode, seconds, factor) in [
-                    ("forward", forward, 1.0),
-                    ("fwd+bwd", backward, 3.0),
-                    ("step", step, 3.0),
-                ] {
-                    let gflops = factor * flops / seconds / 1e9;
-                    println!(
-                        "{label:<13} {:<13} {d_model:>7} {:>6} {tokens:>6} {mode:<8} {:>9.1} {:>11.0} {gflops:>8.1}",
-                        variant.name(),
-                        config.d_ff,
-                        seconds * 1e3,
-                        tokens as f64 / seconds,
-                    );
-                    if let Some(file) = json.as_mut() {
-                        writeln!(
-                            file,
-                            r#"{{"impl":"ffn-{label}","variant":"{}","d_model":{d_model},"d_ff":{},"tokens":{tokens},"mode":"{mode}","ms":{},"threads":{threads}}}"#,
+            for &variant in &variants {
+                let setups = [(Path::Op, false), (Path::Op, true), (Path::Composed, false)];
+                for (path, fused) in setups
+                    .into_iter()
+                    .filter(|(p, f)| paths.contains(p) && (variant.gated() || !f))
+                {
+                    let label = match (path, fused) {
+                        (Path::Op, false) => backend.to_string(),
+                        (Path::Op, true) => format!("{backend}-fused"),
+                        (Path::Composed, _) => format!("{backend}-composed"),
+                    };
+                    let config =
+                        FeedForwardConfig::preset(variant, d_model).with_fused_gate_up(fused);
+                    let rows = run(&config, &device, tokens, path, repeats, &modes);
+                    let flops = (config.flops_per_token() * tokens as u64) as f64;
+                    for (mode, seconds) in rows {
+                        let factor = match mode {
+                            "forward" => 1.0,
+                            "fwd+bwd-w" if variant.gated() => 7.0 / 3.0,
+                            "fwd+bwd-w" => 2.5,
+                            _ => 3.0,
+                        };
+                        let gflops = factor * flops / seconds / 1e9;
+                        println!(
+                            "{label:<16} {:<13} {d_model:>7} {:>6} {tokens:>6} {mode:<9} {:>9.1} {:>11.0} {gflops:>8.1}",
                             variant.name(),
                             config.d_ff,
-                            seconds * 1e3
-                        )
-                        .expect("write --json");
+                            seconds * 1e3,
+                            tokens as f64 / seconds,
+                        );
+                        if let Some(file) = json.as_mut() {
+                            writeln!(
+                                file,
+                                r#"{{"impl":"ffn-{label}","variant":"{}","d_model":{d_model},"d_ff":{},"tokens":{tokens},"mode":"{mode}","ms":{},"threads":{threads}}}"#,
+                                variant.name(),
+                                config.d_ff,
+                                seconds * 1e3
+                            )
+                            .expect("write --json");
+                        }
                     }
                 }
             }
         }
     }
+}
+
+/// Times each of `modes` for one configuration: `(mode, median seconds)`.
+fn run(
+    config: &FeedForwardConfig,
+    device: &Device,
+    tokens: usize,
+    path: Path,
+    repeats: usize,
+    modes: &[String],
+) -> Vec<(&'static str, f64)> {
+    let d_model = config.d_model;
+    let autodiff = device.clone().autodiff();
+    device.seed(0);
+    let normal = |device: &Device| {
+        Tensor::<2>::random([tokens, d_model], Distribution::Normal(0.0, 1.0), device)
+    };
+    let plain = config.init(device);
+    let ffn = config.init(&autodiff);
+    let (x, xa, g) = (normal(device), normal(&autodiff), normal(&autodiff));
+    let x_grad = xa.clone().require_grad();
+    let norm: LayerNorm = LayerNormConfig::new(d_model).init(&autodiff);
+    let mut model = Some(config.init(&autodiff));
+    let mut optim = AdamWConfig::new().init();
+
+    let mut rows = vec![];
+    for &mode in MODES.iter().filter(|m| modes.iter().any(|w| w == *m)) {
+        let seconds = match mode {
+            "forward" => median(repeats, || {
+                let _: f32 = forward(&plain, x.clone(), path).sum().into_scalar();
+            }),
+            "fwd+bwd" | "fwd+bwd-w" => {
+                let input = if mode == "fwd+bwd" { &x_grad } else { &xa };
+                median(repeats, || {
+                    let grads = loss(&ffn, input.clone(), &g, path).backward();
+                    let dw = ffn.down().weight.val().grad(&grads).expect("dW_down");
+                    let mut sum = dw.sum();
+                    if let Some(dx) = input.grad(&grads) {
+                        sum = sum + dx.sum();
+                    }
+                    let _: f32 = sum.into_scalar();
+                })
+            }
+            "step" => median(repeats, || {
+                let m = model.take().expect("the model");
+                let grads = loss(&m, x_grad.clone(), &g, path).backward();
+                let _: f32 = x_grad.grad(&grads).expect("dx").sum().into_scalar();
+                let grads = GradientsParams::from_grads(grads, &m);
+                let m = optim.step(1e-4, m, grads);
+                let _: f32 = m.down().weight.val().sum().into_scalar();
+                model = Some(m);
+            }),
+            "block" => median(repeats, || {
+                // y = x + FFN(LayerNorm(x))
+                let y = x_grad.clone() + forward(&ffn, norm.forward(x_grad.clone()), path);
+                let grads = (y * g.clone()).sum().backward();
+                let _: f32 = x_grad.grad(&grads).expect("dx").sum().into_scalar();
+            }),
+            _ => unreachable!(),
+        };
+        rows.push((mode, seconds));
+    }
+    rows
 }

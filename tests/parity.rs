@@ -1,6 +1,7 @@
 //! Backend parity: the same weights and input give the same outputs and gradients on every
-//! backend compiled into this build (`flex`, `ndarray`, `wgpu`), as an f64 computation of the
-//! same network on Flex does.
+//! backend compiled into this build (`flex`, `ndarray`, `wgpu`), through the FFN op (its own
+//! backward) in both memory modes, fused and unfused, as an f64 computation of the same network
+//! composed from burn's ops and differentiated by autodiff on Flex does.
 //!
 //! ```text
 //! cargo test --test parity                             # Flex only (the default build)
@@ -18,6 +19,7 @@ use std::collections::BTreeMap;
 
 use burn::module::{Module, ModuleMapper, Param};
 use burn::tensor::{DType, Device, Distribution, Tensor, TensorData};
+use ffn::model::Memory;
 use ffn::{FeedForward, FeedForwardConfig, Variant};
 
 const D_MODEL: usize = 16;
@@ -58,9 +60,14 @@ fn run(
     x: TensorData,
     dtype: DType,
     device: &Device,
+    composed: bool,
 ) -> BTreeMap<String, Vec<f64>> {
     let x = Tensor::<3>::from_data(x, (device, dtype)).require_grad();
-    let y = ffn.forward(x.clone());
+    let y = if composed {
+        ffn.forward_composed(x.clone())
+    } else {
+        ffn.forward(x.clone())
+    };
     let grads = (y.clone() * y.clone()).sum().backward();
     let host = |t: TensorData| t.iter::<f64>().collect::<Vec<f64>>();
     let mut out = BTreeMap::new();
@@ -94,10 +101,19 @@ fn every_backend_computes_the_same_outputs_and_gradients() {
                 .with_bias_up(true)
                 .with_bias_down(true)
         })
-        .chain([FeedForwardConfig::preset(Variant::SwiGlu, D_MODEL)
-            .with_fused_gate_up(true)
-            .with_bias_up(true)
-            .with_bias_gate(true)]);
+        .chain([
+            FeedForwardConfig::preset(Variant::SwiGlu, D_MODEL)
+                .with_fused_gate_up(true)
+                .with_bias_up(true)
+                .with_bias_gate(true),
+            FeedForwardConfig::preset(Variant::GeGlu, D_MODEL).with_memory(Memory::Recompute),
+            FeedForwardConfig::preset(Variant::Gelu, D_MODEL)
+                .with_bias_down(true)
+                .with_memory(Memory::Recompute),
+            FeedForwardConfig::preset(Variant::SwiGlu, D_MODEL)
+                .with_fused_gate_up(true)
+                .with_memory(Memory::Recompute),
+        ]);
     let backends = backends();
     assert!(!backends.is_empty());
     let mut worst: BTreeMap<&str, (f64, String)> = BTreeMap::new();
@@ -105,10 +121,15 @@ fn every_backend_computes_the_same_outputs_and_gradients() {
         let bias_gate = config.gated && config.bias_up;
         let config = config.with_bias_gate(bias_gate);
         let name = format!(
-            "{}{}",
+            "{}{}{}",
             config.activation,
-            if config.fused_gate_up { " fused" } else { "" }
-        );
+            if config.gated { " gated" } else { "" },
+            if config.fused_gate_up { " fused" } else { "" },
+        ) + if config.memory == Memory::Recompute {
+            " recompute"
+        } else {
+            ""
+        };
         // Weights drawn once, moved everywhere as a file; the input likewise as data.
         let weights = config.init(&reference_device).to_safetensors_bytes();
         let x = Tensor::<3>::random(
@@ -123,7 +144,7 @@ fn every_backend_computes_the_same_outputs_and_gradients() {
             .map(&mut Cast(DType::F64))
             .load_safetensors_bytes(&weights)
             .unwrap();
-        let expected = run(&oracle, x.clone(), DType::F64, &reference_device);
+        let expected = run(&oracle, x.clone(), DType::F64, &reference_device, true);
 
         for (backend, device, tolerance) in &backends {
             let device = device.clone().autodiff();
@@ -131,7 +152,7 @@ fn every_backend_computes_the_same_outputs_and_gradients() {
                 .init(&device)
                 .load_safetensors_bytes(&weights)
                 .unwrap();
-            let actual = run(&ffn, x.clone(), DType::F32, &device);
+            let actual = run(&ffn, x.clone(), DType::F32, &device, false);
             assert_eq!(
                 actual.keys().collect::<Vec<_>>(),
                 expected.keys().collect::<Vec<_>>()

@@ -5,6 +5,7 @@ each side), and prints the ratio ffn/PyTorch of throughput per row (above 1:
 ffn is faster), as a Markdown table.
 
     python3 tools/bench_compare.py [--features ndarray] [--repeats 5] [--rounds 2] [--variants ...]
+                                   [--modes fwd+bwd,block] [--paths op,composed]
     python3 tools/bench_compare.py --memory [--features ndarray] [--variants ...]
 
 --memory compares the peak memory of a training step instead (both sides: three AdamW steps,
@@ -24,6 +25,7 @@ here = os.path.dirname(os.path.abspath(__file__))
 root = os.path.dirname(here)
 
 
+MODES = ["forward", "fwd+bwd", "fwd+bwd-w", "step", "block", "memory"]
 VARIANTS = ["FFN_ReLU", "FFN_GELU", "FFN_Swish", "FFN_GLU", "FFN_Bilinear", "FFN_ReGLU",
             "FFN_GEGLU", "FFN_SwiGLU"]
 
@@ -36,6 +38,8 @@ def main():
                         help="interleaved rounds; each row keeps its fastest round (both sides)")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--modes", default="forward,fwd+bwd,fwd+bwd-w,step,block")
+    parser.add_argument("--paths", default="op,composed", help="ffn paths: op, composed")
     parser.add_argument("--memory", action="store_true")
     args = parser.parse_args()
     env = dict(os.environ, RAYON_NUM_THREADS=str(args.threads))
@@ -45,9 +49,10 @@ def main():
     if args.features:
         cargo += ["--features", args.features]
     subprocess.run(cargo + ["--no-run"], cwd=root, env=env, check=True)
-    cargo += ["--", "--json", rows_path, "--repeats", args.repeats]
+    cargo += ["--", "--json", rows_path, "--repeats", args.repeats, "--modes", args.modes,
+              "--paths", args.paths]
     torch_cmd = [sys.executable, os.path.join(here, "bench_torch.py"), "--threads", str(args.threads),
-                 "--repeats", args.repeats]
+                 "--repeats", args.repeats, "--modes", args.modes]
     if args.memory:
         cargo.append("--memory")
         torch_cmd.append("--memory")
@@ -111,7 +116,7 @@ def fastest(rows, key):
     # PyTorch's rows in its own order (shapes, then variants), for the table.
     return sorted(best.values(), key=lambda r: (r["d_model"], VARIANTS.index(r["variant"])
                                                 if r["variant"] in VARIANTS else 0,
-                                                ["forward", "fwd+bwd", "step", "memory"].index(r["mode"])))
+                                                MODES.index(r["mode"])))
 
 
 def memory_table(ours, theirs, key):

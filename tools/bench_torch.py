@@ -3,6 +3,7 @@
 thread count, one JSON object per row on stdout.
 
     python3 tools/bench_torch.py [--threads N] [--repeats N] [--variants SwiGLU,FFN_GELU]
+                                 [--modes forward,fwd+bwd,fwd+bwd-w,step,block]
     python3 tools/bench_torch.py --memory [--threads N] [--variants ...]
 
 --memory: the peak memory of three AdamW steps above the resident set before them, each
@@ -76,19 +77,22 @@ def memory_child(name, d_model, tokens):
     act, gated = VARIANTS[name]
     torch.manual_seed(0)
     model = FeedForward(d_model, d_ff(name, d_model), act, gated)
-    x = torch.randn(tokens, d_model)
+    x = torch.randn(tokens, d_model, requires_grad=True)
+    g = torch.randn(tokens, d_model)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
     before = status_mib("VmRSS:")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     for _ in range(3):
         optim.zero_grad(set_to_none=True)
+        x.grad = None
         y = model(x)
-        (y * y).sum().backward()
+        (y * g).sum().backward()
+        x.grad.sum().item()
         optim.step()
         model.down.weight.sum().item()
     peak = status_mib("VmHWM:")
-    print(json.dumps({"impl": "pytorch", "setup": "plain", "variant": name, "d_model": d_model,
+    print(json.dumps({"impl": "pytorch", "setup": "save", "variant": name, "d_model": d_model,
                       "d_ff": d_ff(name, d_model), "tokens": tokens, "mode": "memory",
                       "step_mib": round(peak - before, 1), "peak_rss_mib": round(peak, 1)}))
 
@@ -98,6 +102,7 @@ def main():
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--modes", default="forward,fwd+bwd,fwd+bwd-w,step,block")
     parser.add_argument("--memory", action="store_true")
     parser.add_argument("--memory-child", nargs=3, metavar=("VARIANT", "D_MODEL", "TOKENS"))
     args = parser.parse_args()
@@ -116,34 +121,54 @@ def main():
                 print(out.stdout.strip(), flush=True)
         return
     torch.manual_seed(0)
+    modes = args.modes.split(",")
     for d_model, tokens in SHAPES:
         for name in args.variants.split(","):
             name = name if name.startswith("FFN_") else "FFN_" + name
             act, gated = VARIANTS[name]
             model = FeedForward(d_model, d_ff(name, d_model), act, gated)
+            norm = torch.nn.LayerNorm(d_model)
             x = torch.randn(tokens, d_model)
+            g = torch.randn(tokens, d_model)
+            x_grad = x.clone().requires_grad_(True)
 
             def forward():
                 with torch.no_grad():
                     model(x).sum().item()
 
-            def backward():
-                model.zero_grad(set_to_none=True)
-                y = model(x)
-                (y * y).sum().backward()
-                model.down.weight.grad.sum().item()
+            def backward(inp):
+                def run():
+                    model.zero_grad(set_to_none=True)
+                    inp.grad = None
+                    (model(inp) * g).sum().backward()
+                    total = model.down.weight.grad.sum()
+                    if inp.grad is not None:
+                        total = total + inp.grad.sum()
+                    total.item()
+                return run
 
             optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
             def step():
                 optim.zero_grad(set_to_none=True)
-                y = model(x)
-                (y * y).sum().backward()
+                x_grad.grad = None
+                (model(x_grad) * g).sum().backward()
+                x_grad.grad.sum().item()
                 optim.step()
                 model.down.weight.sum().item()
 
-            for mode, f in [("forward", forward), ("fwd+bwd", backward), ("step", step)]:
-                ms = median(args.repeats, f) * 1e3
+            def block():
+                model.zero_grad(set_to_none=True)
+                norm.zero_grad(set_to_none=True)
+                x_grad.grad = None
+                y = x_grad + model(norm(x_grad))
+                (y * g).sum().backward()
+                x_grad.grad.sum().item()
+
+            timed = {"forward": forward, "fwd+bwd": backward(x_grad), "fwd+bwd-w": backward(x),
+                     "step": step, "block": block}
+            for mode in [m for m in timed if m in modes]:
+                ms = median(args.repeats, timed[mode]) * 1e3
                 print(json.dumps({"impl": "pytorch", "variant": name, "d_model": d_model,
                                   "d_ff": d_ff(name, d_model), "tokens": tokens, "mode": mode,
                                   "ms": ms, "threads": args.threads}), flush=True)

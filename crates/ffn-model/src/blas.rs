@@ -135,15 +135,7 @@ impl Blas {
     ///
     /// `a` and `b` must point to matrices of those shapes under their strides, and `c` to
     /// `m · n` writable floats.
-    pub unsafe fn sgemm(
-        &self,
-        m: usize,
-        n: usize,
-        k: usize,
-        a: Operand,
-        b: Operand,
-        c: *mut f32,
-    ) {
+    pub unsafe fn sgemm(&self, m: usize, n: usize, k: usize, a: Operand, b: Operand, c: *mut f32) {
         let threads = if self.rayon {
             rayon::current_num_threads()
         } else {

@@ -38,7 +38,7 @@ impl Kernels for Flex {
             Pre::Plain(a) => match rows(a) {
                 Some(a) => {
                     let mut out = Out::new(a.rows, a.cols);
-                    out.for_rows(|r, h| simd(|| act.forward(a.row(r), None, h)));
+                    out.for_rows(|r, h| forward_row(act, a.row(r), None, h));
                     out.tensor()
                 }
                 None => composed::hidden::<Flex>(pre, activation),
@@ -46,7 +46,13 @@ impl Kernels for Flex {
             Pre::Gated(g, u) => gated_forward(act, rows(g), rows(u), pre, activation),
             Pre::Fused(gu) => {
                 let f = gu.layout().shape()[1] / 2;
-                gated_forward(act, rows(&gu.narrow(1, 0, f)), rows(&gu.narrow(1, f, f)), pre, activation)
+                gated_forward(
+                    act,
+                    rows(&gu.narrow(1, 0, f)),
+                    rows(&gu.narrow(1, f, f)),
+                    pre,
+                    activation,
+                )
             }
         }
     }
@@ -61,7 +67,7 @@ impl Kernels for Flex {
                     return composed::hidden_backward::<Flex>(dh, pre, activation);
                 };
                 let mut out = Out::new(a.rows, a.cols);
-                out.for_rows(|r, da| simd(|| act.backward(dh_rows.row(r), a.row(r), None, da)));
+                out.for_rows(|r, da| backward_row(act, dh_rows.row(r), a.row(r), None, da));
                 return Pre::Plain(out.tensor());
             }
             Pre::Gated(g, u) => (g.clone(), u.clone()),
@@ -78,7 +84,13 @@ impl Kernels for Flex {
         let mut out = Out::new(g_rows.rows, 2 * f);
         out.for_rows(|r, dgu| {
             let (dg, du) = dgu.split_at_mut(f);
-            simd(|| act.backward(dh_rows.row(r), g_rows.row(r), Some((u_rows.row(r), du)), dg))
+            backward_row(
+                act,
+                dh_rows.row(r),
+                g_rows.row(r),
+                Some((u_rows.row(r), du)),
+                dg,
+            )
         });
         let dgu = out.tensor();
         match pre {
@@ -99,7 +111,7 @@ fn gated_forward(
         return composed::hidden::<Flex>(pre, activation);
     };
     let mut out = Out::new(g.rows, g.cols);
-    out.for_rows(|r, h| simd(|| act.forward(g.row(r), Some(u.row(r)), h)));
+    out.for_rows(|r, h| forward_row(act, g.row(r), Some(u.row(r)), h));
     out.tensor()
 }
 
@@ -127,9 +139,17 @@ fn operand(t: FlexTensor) -> (FlexTensor, Operand) {
         let [s0, s1] = [layout.strides()[0], layout.strides()[1]];
         let ptr = t.storage::<f32>()[layout.start_offset()..].as_ptr();
         if (s1 == 1 || cols == 1) && s0 >= cols.max(1) as isize {
-            Some(Operand { ptr, ld: s0 as usize, trans: false })
+            Some(Operand {
+                ptr,
+                ld: s0 as usize,
+                trans: false,
+            })
         } else if (s0 == 1 || rows == 1) && s1 >= rows.max(1) as isize {
-            Some(Operand { ptr, ld: s1 as usize, trans: true })
+            Some(Operand {
+                ptr,
+                ld: s1 as usize,
+                trans: true,
+            })
         } else {
             None
         }
@@ -171,7 +191,11 @@ fn rows(t: &FlexTensor) -> Option<Rows<'_>> {
     }
     let stride = if rows > 1 { s0 as usize } else { cols };
     let start = layout.start_offset();
-    let len = if rows == 0 { 0 } else { (rows - 1) * stride + cols };
+    let len = if rows == 0 {
+        0
+    } else {
+        (rows - 1) * stride + cols
+    };
     Some(Rows {
         data: &t.storage::<f32>()[start..start + len],
         rows,
@@ -221,23 +245,13 @@ impl Out {
     }
 }
 
-/// Runs `f` compiled for the widest vector unit this CPU has (AVX-512, AVX2+FMA, or the
-/// baseline); `f`'s loops are inlined into each of these.
-#[inline(always)]
-fn simd<R>(f: impl FnOnce() -> R) -> R {
+/// The vector unit the element-wise loops are compiled for: 2 AVX-512, 1 AVX2+FMA, 0 baseline.
+fn simd_level() -> u8 {
     #[cfg(target_arch = "x86_64")]
     {
-        #[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
-        unsafe fn avx512<R>(f: impl FnOnce() -> R) -> R {
-            f()
-        }
-        #[target_feature(enable = "avx2,fma")]
-        unsafe fn avx2<R>(f: impl FnOnce() -> R) -> R {
-            f()
-        }
         use std::sync::OnceLock;
         static LEVEL: OnceLock<u8> = OnceLock::new();
-        let level = *LEVEL.get_or_init(|| {
+        *LEVEL.get_or_init(|| {
             if std::arch::is_x86_feature_detected!("avx512f")
                 && std::arch::is_x86_feature_detected!("avx512vl")
             {
@@ -249,16 +263,53 @@ fn simd<R>(f: impl FnOnce() -> R) -> R {
             } else {
                 0
             }
-        });
-        // SAFETY: the features were detected.
-        match level {
-            2 => unsafe { avx512(f) },
-            1 => unsafe { avx2(f) },
-            _ => f(),
-        }
+        })
     }
     #[cfg(not(target_arch = "x86_64"))]
-    f()
+    0
+}
+
+/// Defines `fn $name` whose body is compiled three times (AVX-512, AVX2+FMA, baseline), the
+/// widest one this CPU runs being called. The body's loops are `#[inline(always)]`, so they are
+/// vectorised for each.
+macro_rules! multiversion {
+    (fn $name:ident($($arg:ident: $ty:ty),* $(,)?) $body:block) => {
+        fn $name($($arg: $ty),*) {
+            #[cfg(target_arch = "x86_64")]
+            #[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
+            unsafe fn avx512($($arg: $ty),*) $body
+            #[cfg(target_arch = "x86_64")]
+            #[target_feature(enable = "avx2,fma")]
+            unsafe fn avx2($($arg: $ty),*) $body
+            fn baseline($($arg: $ty),*) $body
+            match simd_level() {
+                // SAFETY: `simd_level` detected the features.
+                #[cfg(target_arch = "x86_64")]
+                2 => unsafe { avx512($($arg),*) },
+                #[cfg(target_arch = "x86_64")]
+                1 => unsafe { avx2($($arg),*) },
+                _ => baseline($($arg),*),
+            }
+        }
+    };
+}
+
+multiversion! {
+    fn forward_row(act: Act, a: &[f32], u: Option<&[f32]>, h: &mut [f32]) {
+        act.forward(a, u, h)
+    }
+}
+
+multiversion! {
+    fn backward_row(
+        act: Act,
+        dh: &[f32],
+        a: &[f32],
+        up: Option<(&[f32], &mut [f32])>,
+        out: &mut [f32],
+    ) {
+        act.backward(dh, a, up, out)
+    }
 }
 
 /// The activations with vectorised loops.
@@ -306,7 +357,9 @@ impl Act {
     #[inline(always)]
     fn backward(self, dh: &[f32], a: &[f32], up: Option<(&[f32], &mut [f32])>, out: &mut [f32]) {
         match self {
-            Act::Relu => bwd(dh, a, up, out, |x| (relu(x), if x > 0.0 { 1.0 } else { 0.0 })),
+            Act::Relu => bwd(dh, a, up, out, |x| {
+                (relu(x), if x > 0.0 { 1.0 } else { 0.0 })
+            }),
             Act::Gelu => bwd(dh, a, up, out, gelu),
             Act::GeluTanh => bwd(dh, a, up, out, gelu_tanh),
             Act::Silu => bwd(dh, a, up, out, silu),
@@ -503,7 +556,11 @@ mod tests {
         let k = 2.0 * (2.0 / std::f64::consts::PI).sqrt();
         let two_u = |x: f64| k * (x + 0.044715 * x * x * x);
         let cases: [(&str, fn(f32) -> (f32, f32), Box<dyn Fn(f64) -> (f64, f64)>); 4] = [
-            ("gelu", gelu, Box::new(move |x| (x * cdf(x), cdf(x) + x * pdf(x)))),
+            (
+                "gelu",
+                gelu,
+                Box::new(move |x| (x * cdf(x), cdf(x) + x * pdf(x))),
+            ),
             (
                 "gelu_tanh",
                 gelu_tanh,
@@ -513,8 +570,16 @@ mod tests {
                     (x * s, s + x * s * (1.0 - s) * d2u)
                 }),
             ),
-            ("silu", silu, Box::new(move |x| (x * sig(x), sig(x) * (1.0 + x * (1.0 - sig(x)))))),
-            ("sigmoid", sigmoid_grad, Box::new(move |x| (sig(x), sig(x) * (1.0 - sig(x))))),
+            (
+                "silu",
+                silu,
+                Box::new(move |x| (x * sig(x), sig(x) * (1.0 + x * (1.0 - sig(x))))),
+            ),
+            (
+                "sigmoid",
+                sigmoid_grad,
+                Box::new(move |x| (sig(x), sig(x) * (1.0 - sig(x)))),
+            ),
         ];
         for (name, f, reference) in cases {
             // Relative to the larger of |value| and 1e-2, of |derivative| and 0.1: where the
@@ -522,7 +587,10 @@ mod tests {
             // x = -0.75), and f32 rounding of those is the floor of any f32 formula.
             let value = worst(|x| f(x).0, |x| reference(x).0, 1e-2);
             let grad = worst(|x| f(x).1, |x| reference(x).1, 0.1);
-            assert!(value < 2e-6 && grad < 2e-6, "{name}: value {value:e}, derivative {grad:e}");
+            assert!(
+                value < 2e-6 && grad < 2e-6,
+                "{name}: value {value:e}, derivative {grad:e}"
+            );
             assert!(f(f32::NAN).0.is_nan(), "{name} keeps NaN");
         }
     }

@@ -31,11 +31,11 @@
 //! element-wise passes are the [`Kernels`] of a backend: burn's own ops by default, a tuned
 //! SGEMM and vectorised element-wise loops on Flex (`cpu.rs`).
 
+use burn::backend::autodiff::Autodiff;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, NodeGuard, Ops, OpsKind};
-use burn::backend::autodiff::Autodiff;
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{Backend, ExtensionType, Slice, TensorMetadata, backend_extension};
 use serde::{Deserialize, Serialize};
@@ -298,7 +298,13 @@ impl<B: Kernels, const N: usize> Backward<B, N> for FeedForwardBackward {
 
         // Parents in the order `feed_forward` listed them.
         let mut parents = ops.parents.into_iter();
-        let mut next = |is_present: bool| if is_present { parents.next().flatten() } else { None };
+        let mut next = |is_present: bool| {
+            if is_present {
+                parents.next().flatten()
+            } else {
+                None
+            }
+        };
         let node_x = next(true);
         let node_w_gate = next(present.w_gate);
         let node_w_up = next(true);
@@ -318,6 +324,8 @@ impl<B: Kernels, const N: usize> Backward<B, N> for FeedForwardBackward {
 
         // dh = dy W_downᵀ, then through φ (and the gating product) to the pre-activations.
         let dh = B::ffn_matmul(dy, t::<B>(w.w_down));
+        #[cfg(test)]
+        let spec = tests::maybe_break(spec);
         let dpre = B::ffn_hidden_backward(dh, &pre, spec.activation);
         drop(pre);
 
@@ -647,4 +655,92 @@ pub(crate) fn feed_forward(
         spec,
     );
     burn::tensor::Tensor::from_dispatch(y)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::cell::Cell;
+
+    use burn::tensor::{DType, Device, Distribution, Tensor};
+
+    use super::Spec;
+    use crate::{Activation, FeedForwardConfig};
+
+    thread_local! {
+        /// Makes the op's backward use the identity's derivative (`φ' = 1`) instead of `φ'`.
+        static BROKEN: Cell<bool> = const { Cell::new(false) };
+    }
+
+    pub(super) fn maybe_break(spec: Spec) -> Spec {
+        if BROKEN.with(Cell::get) {
+            Spec {
+                activation: Activation::Identity,
+                ..spec
+            }
+        } else {
+            spec
+        }
+    }
+
+    /// `|⟨∂L/∂x, v⟩ - (L(x + εv) - L(x - εv)) / 2ε|`, relative, for `L = Σ y ⊙ g`, in f64.
+    fn input_gradient_error(gated: bool, fused: bool) -> f64 {
+        let device = Device::flex().autodiff();
+        device.seed(3);
+        let config = FeedForwardConfig::new(5, 7)
+            .with_activation(Activation::Silu)
+            .with_gated(gated)
+            .with_fused_gate_up(fused);
+        let ffn = config.init(&device);
+        let normal = || {
+            Tensor::<2>::random([4, 5], Distribution::Normal(0.0, 1.0), &device).cast(DType::F64)
+        };
+        let ffn = ffn.map(&mut F64);
+        let (x, g, v) = (normal(), normal(), normal());
+        let loss = |x: Tensor<2>| (ffn.forward(x) * g.clone()).sum();
+        let x_grad = x.clone().require_grad();
+        let grads = loss(x_grad.clone()).backward();
+        let analytic: f64 = (x_grad.grad(&grads).unwrap() * v.clone())
+            .sum()
+            .into_scalar();
+        let eps = 1e-6;
+        let at = |s: f64| -> f64 { loss(x.clone() + v.clone() * (s * eps)).into_scalar() };
+        let numeric = (at(1.0) - at(-1.0)) / (2.0 * eps);
+        (analytic - numeric).abs() / analytic.abs().max(numeric.abs()).max(1.0)
+    }
+
+    struct F64;
+
+    impl burn::module::ModuleMapper for F64 {
+        fn map_float<const D: usize>(
+            &mut self,
+            param: burn::module::Param<Tensor<D>>,
+        ) -> burn::module::Param<Tensor<D>> {
+            let id = param.id;
+            let t = param
+                .val()
+                .inner()
+                .cast(DType::F64)
+                .autodiff()
+                .require_grad();
+            burn::module::Param::initialized(id, t)
+        }
+    }
+
+    use burn::module::Module as _;
+
+    /// The finite-difference check passes on the op's backward and fails on a broken one.
+    #[test]
+    fn a_wrong_backward_fails_the_gradient_check() {
+        for (gated, fused) in [(false, false), (true, false), (true, true)] {
+            let right = input_gradient_error(gated, fused);
+            BROKEN.with(|b| b.set(true));
+            let wrong = input_gradient_error(gated, fused);
+            BROKEN.with(|b| b.set(false));
+            assert!(right < 1e-7, "gated={gated} fused={fused}: {right:e}");
+            assert!(
+                wrong > 1e-3,
+                "gated={gated} fused={fused}: not caught, {wrong:e}"
+            );
+        }
+    }
 }

@@ -12,7 +12,7 @@ mod common;
 use burn::module::{Module, ModuleMapper, Param};
 use burn::tensor::{DType, Tensor, TensorData};
 use common::{Cast, device, strip_metadata};
-use ffn_model::{Activation, FeedForward, FeedForwardConfig};
+use ffn_model::{Activation, FeedForward, FeedForwardConfig, Memory};
 
 const EPS: f64 = 1e-6;
 const TOLERANCE: f64 = 1e-6;
@@ -107,6 +107,7 @@ fn check(config: &FeedForwardConfig, rng: &mut Rng) -> f64 {
     let projections = [
         ("up", ffn.up()),
         ("gate", ffn.gate()),
+        ("gate_up", ffn.gate_up()),
         ("down", Some(ffn.down())),
     ];
     for (name, linear) in projections {
@@ -120,7 +121,8 @@ fn check(config: &FeedForwardConfig, rng: &mut Rng) -> f64 {
             ));
         }
     }
-    let expected = 3 + usize::from(config.gated) * 2 + 2; // x, up.{w,b}, gate.{w,b}, down.{w,b}
+    // x, up.{w,b}, gate.{w,b} (or gate_up.{w,b}), down.{w,b}
+    let expected = 5 + usize::from(config.gated && !config.fused_gate_up) * 2;
     assert_eq!(tensors.len(), expected, "every parameter has a gradient");
 
     let mut worst = 0.0f64;
@@ -160,24 +162,32 @@ fn check(config: &FeedForwardConfig, rng: &mut Rng) -> f64 {
     worst
 }
 
+/// Through the FFN op (its own backward) on Flex, in both memory modes, unfused and fused.
 #[test]
 fn gradients_match_finite_differences() {
     let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
     for activation in Activation::ALL {
-        for gated in [false, true] {
-            let config = FeedForwardConfig::new(6, 10)
-                .with_activation(activation)
-                .with_gated(gated)
-                .with_bias_up(true)
-                .with_bias_gate(gated)
-                .with_bias_down(true)
-                // Pre-activations of order one reach the nonlinear parts of every φ.
-                .with_initializer(burn::nn::Initializer::Normal {
-                    mean: 0.0,
-                    std: 0.6,
-                });
-            let worst = check(&config, &mut rng);
-            println!("{activation:>10} gated={gated:<5}: largest relative error {worst:.1e}");
+        for (gated, fused) in [(false, false), (true, false), (true, true)] {
+            for memory in [Memory::Save, Memory::Recompute] {
+                let config = FeedForwardConfig::new(6, 10)
+                    .with_activation(activation)
+                    .with_gated(gated)
+                    .with_fused_gate_up(fused)
+                    .with_memory(memory)
+                    .with_bias_up(true)
+                    .with_bias_gate(gated)
+                    .with_bias_down(true)
+                    // Pre-activations of order one reach the nonlinear parts of every φ.
+                    .with_initializer(burn::nn::Initializer::Normal {
+                        mean: 0.0,
+                        std: 0.6,
+                    });
+                let worst = check(&config, &mut rng);
+                println!(
+                    "{activation:>10} gated={gated:<5} fused={fused:<5} {memory:?}: \
+                     largest relative error {worst:.1e}"
+                );
+            }
         }
     }
 }

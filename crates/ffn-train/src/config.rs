@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 
 use burn::nn::Initializer;
 use burn::tensor::Device;
-use ffn_model::{Activation, DropoutAt, FeedForwardConfig, Variant};
+use ffn_model::{Activation, DropoutAt, FeedForwardConfig, Memory, Variant};
 use serde::{Deserialize, Serialize};
 
 use crate::{Error, Result};
@@ -289,6 +289,9 @@ pub struct FfnSpec {
     /// Weight initialisation (default: PyTorch's `nn.Linear`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub initializer: Option<Initializer>,
+    /// What the backward pass keeps: `"save"` (default) or `"recompute"` (less memory).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory: Option<Memory>,
 }
 
 impl FfnSpec {
@@ -343,6 +346,7 @@ impl FfnSpec {
         config.bias_down = self.bias_down.unwrap_or(config.bias_down);
         config.dropout = self.dropout.unwrap_or(config.dropout);
         config.dropout_at = self.dropout_at.unwrap_or(config.dropout_at);
+        config.memory = self.memory.unwrap_or(config.memory);
         if let Some(initializer) = &self.initializer {
             config.initializer = initializer.clone();
         }
