@@ -107,7 +107,7 @@ fn every_backend_computes_the_same_outputs_and_gradients() {
                 .with_bias_up(true)
                 .with_bias_gate(true),
             FeedForwardConfig::preset(Variant::GeGlu, D_MODEL).with_memory(Memory::Recompute),
-            FeedForwardConfig::preset(Variant::Gelu, D_MODEL)
+            FeedForwardConfig::preset(Variant::FfnGelu, D_MODEL)
                 .with_bias_down(true)
                 .with_memory(Memory::Recompute),
             FeedForwardConfig::preset(Variant::SwiGlu, D_MODEL)

@@ -467,7 +467,7 @@ fn silu(x: f32) -> (f32, f32) {
 /// `s + x s (1 - s) k (1 + 3 c x²)`, `s = σ(2u)`.
 #[inline(always)]
 fn gelu_tanh(x: f32) -> (f32, f32) {
-    const K: f32 = 1.595_769_1; // 2 √(2/π)
+    const K: f32 = 1.595_769; // 2 √(2/π)
     const C: f32 = 0.044_715;
     let x2 = x * x;
     let s = 1.0 / (1.0 + exp(-(K * x * (1.0 + C * x2))));
@@ -555,7 +555,9 @@ mod tests {
         let sig = |x: f64| 1.0 / (1.0 + (-x).exp());
         let k = 2.0 * (2.0 / std::f64::consts::PI).sqrt();
         let two_u = |x: f64| k * (x + 0.044715 * x * x * x);
-        let cases: [(&str, fn(f32) -> (f32, f32), Box<dyn Fn(f64) -> (f64, f64)>); 4] = [
+        type Reference<'a> = Box<dyn Fn(f64) -> (f64, f64) + 'a>;
+        type Case<'a> = (&'static str, fn(f32) -> (f32, f32), Reference<'a>);
+        let cases: [Case<'_>; 4] = [
             (
                 "gelu",
                 gelu,

@@ -40,6 +40,8 @@ mod error;
 pub mod hf;
 pub mod inspect;
 mod model;
+// burn-ndarray is deprecated upstream; it is still a backend the op supports.
+#[allow(deprecated)]
 mod op;
 mod preset;
 pub mod reader;
