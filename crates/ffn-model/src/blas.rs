@@ -95,16 +95,21 @@ fn open(path: &str, rayon: bool) -> Option<Blas> {
     if handle.is_null() {
         return None;
     }
-    let sgemm = symbol(handle, c"cblas_sgemm")?;
+    // OpenBLAS as PyPI's `scipy-openblas32` ships it prefixes every symbol with `scipy_`.
+    let (sgemm, prefix) = match symbol(handle, c"cblas_sgemm") {
+        Some(sgemm) => (sgemm, ""),
+        None => (symbol(handle, c"scipy_cblas_sgemm")?, "scipy_"),
+    };
     // SAFETY: `cblas_sgemm` has this C signature in every CBLAS.
     let sgemm: CblasSgemm = unsafe { std::mem::transmute::<*mut c_void, CblasSgemm>(sgemm) };
     if rayon {
         for setter in [
-            c"openblas_set_num_threads",
-            c"bli_thread_set_num_threads",
-            c"MKL_Set_Num_Threads",
+            "openblas_set_num_threads",
+            "bli_thread_set_num_threads",
+            "MKL_Set_Num_Threads",
         ] {
-            if let Some(set) = symbol(handle, setter) {
+            let setter = CString::new(format!("{prefix}{setter}")).expect("no NUL");
+            if let Some(set) = symbol(handle, &setter) {
                 // SAFETY: each of these takes one C int.
                 unsafe { std::mem::transmute::<*mut c_void, SetThreads>(set)(1) };
             }
