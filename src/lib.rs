@@ -3,7 +3,7 @@
 //! The transformer's position-wise feed-forward network as a trainable, backend-swappable
 //! burn module. This crate gathers the workspace: [`model`] (`ffn-model`: the
 //! [`FeedForward`] module) and [`train`] (`ffn-train`), and owns the backend features
-//! (`flex`, the default, `ndarray`, `wgpu`).
+//! (`flex`, the default, `ndarray`, `wgpu`, `cuda`).
 //!
 //! ```
 //! use ffn::{Device, FeedForwardConfig, Tensor, Variant};
@@ -39,6 +39,16 @@ pub fn cpu() -> Device {
 #[cfg(feature = "wgpu")]
 pub fn wgpu() -> Result<Device, train::Error> {
     ffn_train::backend::wgpu()
+}
+
+/// The first CUDA device (feature `cuda`).
+///
+/// # Errors
+///
+/// [`train::Error::Device`] when there is none (no NVIDIA GPU or no driver).
+#[cfg(feature = "cuda")]
+pub fn cuda() -> Result<Device, train::Error> {
+    ffn_train::backend::cuda()
 }
 
 /// The README's Rust examples, compiled and run as doctests.

@@ -6,6 +6,7 @@
 //! ```text
 //! cargo test --test parity                             # Flex only (the default build)
 //! cargo test --test parity --features ndarray,wgpu     # what CI runs (wgpu on Mesa lavapipe)
+//! cargo test --test parity --features cuda             # on an NVIDIA GPU (.ci/setup --cuda)
 //! ```
 //!
 //! Tolerances, on the largest error relative to the tensor's scale: 1e-5 on the CPU backends
@@ -27,20 +28,25 @@ const D_MODEL: usize = 16;
 /// `(name, device, tolerance)` for every compiled backend.
 #[allow(deprecated)] // Device::ndarray: deprecated upstream, still a supported backend here.
 fn backends() -> Vec<(&'static str, Device, f64)> {
-    [
+    let backends = [
         #[cfg(feature = "flex")]
-        ("flex", Device::flex(), 1e-5),
+        Some(("flex", Device::flex(), 1e-5)),
         #[cfg(feature = "ndarray")]
-        ("ndarray", Device::ndarray(), 1e-5),
+        Some(("ndarray", Device::ndarray(), 1e-5)),
         #[cfg(feature = "wgpu")]
-        (
+        Some((
             "wgpu",
             ffn::wgpu().unwrap_or_else(|e| panic!("the wgpu feature is on but: {e}")),
             1e-4,
-        ),
-    ]
-    .into_iter()
-    .collect()
+        )),
+        // A build with `cuda` on a machine without an NVIDIA GPU (CI) skips it, saying so.
+        #[cfg(feature = "cuda")]
+        ffn::cuda()
+            .map_err(|e| eprintln!("cuda skipped: {e}"))
+            .ok()
+            .map(|device| ("cuda", device, 1e-4)),
+    ];
+    backends.into_iter().flatten().collect()
 }
 
 /// Casts every float parameter to `dtype`, keeping ids.

@@ -66,6 +66,21 @@ impl Kernels for Flex {
                 let Some(a) = rows(a) else {
                     return composed::hidden_backward::<Flex>(dh, pre, activation);
                 };
+                // da = dh ⊙ φ'(a), written over dh when nothing else holds it (one
+                // [tokens, d_ff] buffer less at the backward pass's peak).
+                let contiguous = dh_rows.stride == dh_rows.cols && dh.layout().start_offset() == 0;
+                let mut dh = dh;
+                if contiguous && let Some(d) = dh.try_storage_mut::<f32>() {
+                    let cols = a.cols.max(1);
+                    let block = (16_384 / cols).max(1) * cols;
+                    d.par_chunks_mut(block).enumerate().for_each(|(b, chunk)| {
+                        for (i, row) in chunk.chunks_mut(cols).enumerate() {
+                            backward_row_in_place(act, a.row(b * block / cols + i), row);
+                        }
+                    });
+                    return Pre::Plain(dh);
+                }
+                let dh_rows = rows(&dh).expect("checked above");
                 let mut out = Out::new(a.rows, a.cols);
                 out.for_rows(|r, da| backward_row(act, dh_rows.row(r), a.row(r), None, da));
                 return Pre::Plain(out.tensor());
@@ -301,6 +316,12 @@ multiversion! {
 }
 
 multiversion! {
+    fn backward_row_in_place(act: Act, a: &[f32], d: &mut [f32]) {
+        act.backward_in_place(a, d)
+    }
+}
+
+multiversion! {
     fn backward_row(
         act: Act,
         dh: &[f32],
@@ -352,6 +373,20 @@ impl Act {
         }
     }
 
+    /// Ungated, in place: `d ← d ⊙ φ'(a)`.
+    #[inline(always)]
+    fn backward_in_place(self, a: &[f32], d: &mut [f32]) {
+        match self {
+            Act::Relu => bwd_in_place(a, d, |x| if x > 0.0 { 1.0 } else { 0.0 }),
+            Act::Gelu => bwd_in_place(a, d, |x| gelu(x).1),
+            Act::GeluTanh => bwd_in_place(a, d, |x| gelu_tanh(x).1),
+            Act::Silu => bwd_in_place(a, d, |x| silu(x).1),
+            Act::Sigmoid => bwd_in_place(a, d, |x| sigmoid_grad(x).1),
+            Act::Identity => {}
+            Act::Relu2 => bwd_in_place(a, d, |x| relu2(x).1),
+        }
+    }
+
     /// Ungated: `da = dh ⊙ φ'(a)` into `out`. Gated (`up = Some((u, du))`):
     /// `dg = dh ⊙ u ⊙ φ'(g)` into `out`, `du = dh ⊙ φ(g)`.
     #[inline(always)]
@@ -367,6 +402,13 @@ impl Act {
             Act::Identity => bwd(dh, a, up, out, |x| (x, 1.0)),
             Act::Relu2 => bwd(dh, a, up, out, relu2),
         }
+    }
+}
+
+#[inline(always)]
+fn bwd_in_place(a: &[f32], d: &mut [f32], grad: impl Fn(f32) -> f32) {
+    for (d, &a) in d.iter_mut().zip(a) {
+        *d *= grad(a);
     }
 }
 

@@ -3,6 +3,7 @@
 //! burn decides which backends exist at compile time (cargo features); this module names
 //! them for the command line. `--device NAME`, else the `FFN_DEVICE` environment variable,
 //! else the first CPU backend compiled in.
+//! `cuda` (feature `cuda`) takes the first NVIDIA GPU, an error when there is none.
 //! `wgpu` (feature `wgpu`) takes the adapter wgpu prefers (a discrete GPU first; any Vulkan,
 //! Metal or DX12 one, Mesa's software `lavapipe` included), and is an error, not a panic, when
 //! the machine has none.
@@ -19,6 +20,8 @@ pub const DEVICES: &[&str] = &[
     "ndarray",
     #[cfg(feature = "wgpu")]
     "wgpu",
+    #[cfg(feature = "cuda")]
+    "cuda",
 ];
 
 /// The environment variable read when no `--device` is given.
@@ -43,6 +46,8 @@ pub fn device(name: Option<&str>) -> Result<Device> {
         "ndarray" => Device::ndarray(),
         #[cfg(feature = "wgpu")]
         "wgpu" => wgpu()?,
+        #[cfg(feature = "cuda")]
+        "cuda" => cuda()?,
         other => {
             return Err(Error::Device(format!(
                 "unknown or not compiled device `{other}`; this build has: {}",
@@ -69,4 +74,23 @@ pub fn wgpu() -> Result<Device> {
                  mesa-vulkan-drivers)"
             ))
         })
+}
+
+/// The first CUDA device: an error naming the cause when there is none (no NVIDIA GPU, or no
+/// driver: `libcuda` is loaded at run time).
+#[cfg(feature = "cuda")]
+pub fn cuda() -> Result<Device> {
+    use burn::tensor::DeviceType;
+    // Enumerating loads the driver, which panics inside cudarc when it is missing.
+    let devices = std::panic::catch_unwind(|| Device::enumerate(DeviceType::Cuda).into_vec());
+    match devices {
+        Ok(devices) => devices.into_iter().next().ok_or_else(|| {
+            Error::Device("no CUDA device found (an NVIDIA GPU and its driver are needed)".into())
+        }),
+        Err(_) => Err(Error::Device(
+            "the CUDA driver could not be loaded (libcuda; an NVIDIA GPU and its driver are \
+             needed)"
+                .into(),
+        )),
+    }
 }
