@@ -137,7 +137,7 @@ fn matmul_blas(blas: &blas::Blas, lhs: FlexTensor, rhs: FlexTensor) -> FlexTenso
     let [m, k] = lhs.layout().shape().dims::<2>();
     let n = rhs.layout().shape()[1];
     let mut c = vec![0.0f32; m * n];
-    if k == 0 {
+    if m == 0 || n == 0 || k == 0 {
         return FlexTensor::from_data(burn::tensor::TensorData::new(c, [m, n]));
     }
     // SAFETY: `operand` checked the layouts; `c` holds m·n floats.

@@ -113,7 +113,9 @@ impl FeedForward {
             && self.dropout.prob > 0.0
             && self.dropout.training.is_enabled()
             && x.device().is_autodiff();
-        if hidden_dropout || !op::supported(&x.device()) {
+        // burn's `reshape` reads a 0 as "keep this dimension": an empty input stays composed.
+        let empty = x.dims().contains(&0);
+        if hidden_dropout || empty || !op::supported(&x.device()) {
             return self.forward_composed(x);
         }
         let shape = x.dims();

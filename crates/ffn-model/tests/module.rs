@@ -195,3 +195,28 @@ fn gradients_flow_to_every_parameter() {
         assert_eq!(count, if gated { 6 } else { 4 });
     }
 }
+
+/// An input with no tokens gives empty outputs and zero weight gradients (burn's `reshape`
+/// reads a 0 as "keep this dimension", so such an input must not be flattened for the op).
+#[test]
+fn an_input_without_tokens_gives_empty_outputs_and_zero_gradients() {
+    let device = device();
+    for fused in [false, true] {
+        let ffn = FeedForwardConfig::preset(Variant::SwiGlu, 8)
+            .with_fused_gate_up(fused)
+            .with_bias_down(true)
+            .init(&device);
+        let x = Tensor::<3>::zeros([2, 0, 8], &device).require_grad();
+        let y = ffn.forward(x.clone());
+        assert_eq!(y.dims(), [2, 0, 8]);
+        let grads = y.sum().backward();
+        let dw = ffn.down().weight.val().grad(&grads).expect("dW_down");
+        assert_eq!(dw.dims(), [ffn.d_ff(), 8]);
+        let largest: f32 = dw.abs().max().into_scalar();
+        assert_eq!(largest, 0.0);
+        // burn's autodiff may leave the empty input without a gradient; never a wrong shape.
+        if let Some(dx) = x.grad(&grads) {
+            assert_eq!(dx.dims(), [2, 0, 8]);
+        }
+    }
+}
