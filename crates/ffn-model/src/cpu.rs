@@ -31,7 +31,7 @@ impl Kernels for Flex {
     }
 
     fn ffn_hidden(pre: &Pre<Flex>, activation: Activation) -> FlexTensor {
-        let Some(act) = Act::of(activation) else {
+        let Some(act) = vectorised(activation) else {
             return composed::hidden::<Flex>(pre, activation);
         };
         match pre {
@@ -58,7 +58,7 @@ impl Kernels for Flex {
     }
 
     fn ffn_hidden_backward(dh: FlexTensor, pre: &Pre<Flex>, activation: Activation) -> Pre<Flex> {
-        let (Some(act), Some(dh_rows)) = (Act::of(activation), rows(&dh)) else {
+        let (Some(act), Some(dh_rows)) = (vectorised(activation), rows(&dh)) else {
             return composed::hidden_backward::<Flex>(dh, pre, activation);
         };
         let (g, u) = match pre {
@@ -311,7 +311,7 @@ macro_rules! multiversion {
 
 multiversion! {
     fn forward_row(act: Act, a: &[f32], u: Option<&[f32]>, h: &mut [f32]) {
-        act.forward(a, u, h)
+        Loops::forward(act, a, u, h)
     }
 }
 
@@ -333,43 +333,32 @@ multiversion! {
     }
 }
 
-/// The activations with vectorised loops.
-#[derive(Debug, Clone, Copy)]
-enum Act {
-    Relu,
-    Gelu,
-    GeluTanh,
-    Silu,
-    Sigmoid,
-    Identity,
-    Relu2,
+/// The activations with vectorised loops: all but `tanh`, which stays composed.
+type Act = Activation;
+
+fn vectorised(activation: Activation) -> Option<Act> {
+    (activation != Activation::Tanh).then_some(activation)
 }
 
-impl Act {
-    fn of(activation: Activation) -> Option<Act> {
-        Some(match activation {
-            Activation::Relu => Act::Relu,
-            Activation::Gelu => Act::Gelu,
-            Activation::GeluTanh => Act::GeluTanh,
-            Activation::Silu => Act::Silu,
-            Activation::Sigmoid => Act::Sigmoid,
-            Activation::Identity => Act::Identity,
-            Activation::Relu2 => Act::Relu2,
-            Activation::Tanh => return None,
-        })
-    }
+trait Loops {
+    fn forward(self, a: &[f32], u: Option<&[f32]>, h: &mut [f32]);
+    fn backward_in_place(self, a: &[f32], d: &mut [f32]);
+    fn backward(self, dh: &[f32], a: &[f32], up: Option<(&[f32], &mut [f32])>, out: &mut [f32]);
+}
 
+impl Loops for Activation {
     /// `h = φ(a)`, or `h = φ(g) ⊙ u` with `gate = Some(u)`.
     #[inline(always)]
     fn forward(self, a: &[f32], u: Option<&[f32]>, h: &mut [f32]) {
         match self {
-            Act::Relu => fwd(a, u, h, relu),
-            Act::Gelu => fwd(a, u, h, |x| gelu(x).0),
-            Act::GeluTanh => fwd(a, u, h, |x| gelu_tanh(x).0),
-            Act::Silu => fwd(a, u, h, |x| silu(x).0),
-            Act::Sigmoid => fwd(a, u, h, |x| sigmoid_grad(x).0),
-            Act::Identity => fwd(a, u, h, |x| x),
-            Act::Relu2 => fwd(a, u, h, |x| relu2(x).0),
+            Activation::Relu => fwd(a, u, h, relu),
+            Activation::Gelu => fwd(a, u, h, |x| gelu(x).0),
+            Activation::GeluTanh => fwd(a, u, h, |x| gelu_tanh(x).0),
+            Activation::Silu => fwd(a, u, h, |x| silu(x).0),
+            Activation::Sigmoid => fwd(a, u, h, |x| sigmoid_grad(x).0),
+            Activation::Identity => fwd(a, u, h, |x| x),
+            Activation::Relu2 => fwd(a, u, h, |x| relu2(x).0),
+            Activation::Tanh => unreachable!("tanh is not vectorised"),
         }
     }
 
@@ -377,13 +366,14 @@ impl Act {
     #[inline(always)]
     fn backward_in_place(self, a: &[f32], d: &mut [f32]) {
         match self {
-            Act::Relu => bwd_in_place(a, d, |x| if x > 0.0 { 1.0 } else { 0.0 }),
-            Act::Gelu => bwd_in_place(a, d, |x| gelu(x).1),
-            Act::GeluTanh => bwd_in_place(a, d, |x| gelu_tanh(x).1),
-            Act::Silu => bwd_in_place(a, d, |x| silu(x).1),
-            Act::Sigmoid => bwd_in_place(a, d, |x| sigmoid_grad(x).1),
-            Act::Identity => {}
-            Act::Relu2 => bwd_in_place(a, d, |x| relu2(x).1),
+            Activation::Relu => bwd_in_place(a, d, |x| if x > 0.0 { 1.0 } else { 0.0 }),
+            Activation::Gelu => bwd_in_place(a, d, |x| gelu(x).1),
+            Activation::GeluTanh => bwd_in_place(a, d, |x| gelu_tanh(x).1),
+            Activation::Silu => bwd_in_place(a, d, |x| silu(x).1),
+            Activation::Sigmoid => bwd_in_place(a, d, |x| sigmoid_grad(x).1),
+            Activation::Identity => {}
+            Activation::Relu2 => bwd_in_place(a, d, |x| relu2(x).1),
+            Activation::Tanh => unreachable!("tanh is not vectorised"),
         }
     }
 
@@ -392,15 +382,16 @@ impl Act {
     #[inline(always)]
     fn backward(self, dh: &[f32], a: &[f32], up: Option<(&[f32], &mut [f32])>, out: &mut [f32]) {
         match self {
-            Act::Relu => bwd(dh, a, up, out, |x| {
+            Activation::Relu => bwd(dh, a, up, out, |x| {
                 (relu(x), if x > 0.0 { 1.0 } else { 0.0 })
             }),
-            Act::Gelu => bwd(dh, a, up, out, gelu),
-            Act::GeluTanh => bwd(dh, a, up, out, gelu_tanh),
-            Act::Silu => bwd(dh, a, up, out, silu),
-            Act::Sigmoid => bwd(dh, a, up, out, sigmoid_grad),
-            Act::Identity => bwd(dh, a, up, out, |x| (x, 1.0)),
-            Act::Relu2 => bwd(dh, a, up, out, relu2),
+            Activation::Gelu => bwd(dh, a, up, out, gelu),
+            Activation::GeluTanh => bwd(dh, a, up, out, gelu_tanh),
+            Activation::Silu => bwd(dh, a, up, out, silu),
+            Activation::Sigmoid => bwd(dh, a, up, out, sigmoid_grad),
+            Activation::Identity => bwd(dh, a, up, out, |x| (x, 1.0)),
+            Activation::Relu2 => bwd(dh, a, up, out, relu2),
+            Activation::Tanh => unreachable!("tanh is not vectorised"),
         }
     }
 }
