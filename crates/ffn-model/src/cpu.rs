@@ -459,8 +459,14 @@ fn relu2(x: f32) -> (f32, f32) {
 /// `eˣ`, branch-free (Cephes' `expf`: `x = n ln 2 + r`, `|r| ≤ ln2/2`, a degree-6 polynomial
 /// for `eʳ`, `2ⁿ` written into the exponent bits). Relative error ≤ 2 ulp; NaN stays NaN; the
 /// argument is clamped to `[-87.3, 88]`, so it neither overflows nor goes subnormal.
+///
+/// ```
+/// let e = ffn_model::math::exp(1.0);
+/// assert!((e - std::f32::consts::E).abs() <= 2.0 * f32::EPSILON * e);
+/// assert!(ffn_model::math::exp(f32::NAN).is_nan());
+/// ```
 #[inline(always)]
-pub(crate) fn exp(x: f32) -> f32 {
+pub fn exp(x: f32) -> f32 {
     const LOG2_E: f32 = std::f32::consts::LOG2_E;
     const LN2_HI: f32 = 0.693_359_4;
     const LN2_LO: f32 = -2.121_944_4e-4;

@@ -57,6 +57,13 @@ pub use op::Memory;
 pub use preset::Variant;
 pub use scheme::Scheme;
 
+/// Branch-free `f32` math that compilers vectorise, as the CPU kernels use it (shared with
+/// `ffn-train`'s attention and loss kernels).
+#[cfg(feature = "flex")]
+pub mod math {
+    pub use crate::cpu::exp;
+}
+
 /// The BLAS library whose SGEMM the FFN op uses on Flex (loaded at run time on first use; see
 /// the `FFN_BLAS` variable in the README), or `None` when it uses Flex's own matrix product.
 #[cfg(feature = "flex")]

@@ -390,6 +390,12 @@ pub struct TrainSettings {
     /// burn's gradient checkpointing: recompute memory-bound activations (the FFN's `φ`, …)
     /// in the backward pass instead of keeping them, for less memory at some compute.
     pub gradient_checkpointing: bool,
+    /// Data parallelism on a CPU: each batch is cut into this many shards whose forward and
+    /// backward passes run at once on rayon's threads, and their gradients are summed (the
+    /// batch's mean gradient, up to the order of float additions). 0: one shard per rayon
+    /// thread on a CPU device, 1 on a GPU or when the model has dropout (the device's random
+    /// stream is shared, so shards drawing at once would make runs irreproducible).
+    pub shards: usize,
 }
 
 impl TrainSettings {
@@ -421,6 +427,7 @@ impl Default for TrainSettings {
             checkpoint_every: 250,
             keep_checkpoints: 3,
             gradient_checkpointing: false,
+            shards: 0,
         }
     }
 }
@@ -460,6 +467,15 @@ impl TrainConfig {
             ModelConfig::Ffn(m) => (&m.ffn, m.d_model),
         };
         spec.resolve(d_model, "model.ffn")
+    }
+
+    /// Whether training draws random numbers in the forward pass (any dropout).
+    pub fn uses_dropout(&self) -> bool {
+        let attention = match &self.model {
+            ModelConfig::Transformer(m) => m.attention_dropout > 0.0,
+            _ => false,
+        };
+        attention || self.ffn().is_ok_and(|f| f.dropout > 0.0)
     }
 
     /// Checks every value and the pairing of task and model.

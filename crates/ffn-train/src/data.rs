@@ -367,6 +367,39 @@ pub enum Batch {
     },
 }
 
+impl Batch {
+    /// Examples (rows) in the batch.
+    pub fn len(&self) -> usize {
+        match self {
+            Batch::Tokens(t) => t.dims()[0],
+            Batch::Pairs { x, .. } => x.dims()[0],
+        }
+    }
+
+    /// Whether the batch has no examples.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The batch cut into `parts` runs of consecutive rows whose sizes differ by at most one
+    /// (fewer parts if there are fewer rows), in order.
+    pub fn split(&self, parts: usize) -> Vec<Batch> {
+        let n = self.len();
+        let parts = parts.clamp(1, n.max(1));
+        let bounds = (0..=parts).map(|i| i * n / parts).collect::<Vec<_>>();
+        bounds
+            .windows(2)
+            .map(|w| match self {
+                Batch::Tokens(t) => Batch::Tokens(t.clone().narrow(0, w[0], w[1] - w[0])),
+                Batch::Pairs { x, y } => Batch::Pairs {
+                    x: x.clone().narrow(0, w[0], w[1] - w[0]),
+                    y: y.clone().narrow(0, w[0], w[1] - w[0]),
+                },
+            })
+            .collect()
+    }
+}
+
 /// Where language batches come from.
 #[derive(Debug, Clone)]
 pub enum Language {

@@ -12,6 +12,8 @@
 //! summary and a loss plot. Layout, as in burn's examples: [`data`], [`model`], [`training`],
 //! [`inference`].
 
+#[cfg(feature = "flex")]
+pub mod attention;
 pub mod backend;
 pub mod checkpoint;
 pub mod config;

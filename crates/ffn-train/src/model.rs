@@ -31,15 +31,68 @@ pub struct Block {
 
 impl Block {
     /// `x ← x + Attention(LN(x))`, then `x ← x + FFN(LN(x))`.
-    fn forward(&self, x: Tensor<3>, causal: Tensor<3, Bool>) -> Tensor<3> {
+    fn forward(&self, x: Tensor<3>, causal: &Causal) -> Tensor<3> {
         let h = self.norm_attention.forward(x.clone());
-        let attended = self
-            .attention
-            .forward(MhaInput::self_attn(h).mask_attn(causal))
-            .context;
+        let attended = self.attend(h, causal);
         let x = x + attended;
         let h = self.norm_ffn.forward(x.clone());
         x + self.ffn.forward(h)
+    }
+}
+
+impl Block {
+    /// Whether the attention op computes this block's attention of `x` (Flex, no attention
+    /// dropout, plain softmax); else burn's `MultiHeadAttention` does, with the mask.
+    fn uses_op(&self, x: &Tensor<3>) -> bool {
+        #[cfg(feature = "flex")]
+        {
+            crate::attention::supported(x)
+                && self.attention.dropout.prob == 0.0
+                && !self.attention.quiet_softmax
+        }
+        #[cfg(not(feature = "flex"))]
+        {
+            let _ = x;
+            false
+        }
+    }
+
+    /// Causal self-attention of `h`, through the op where it runs.
+    fn attend(&self, h: Tensor<3>, causal: &Causal) -> Tensor<3> {
+        #[cfg(feature = "flex")]
+        if self.uses_op(&h) {
+            let a = &self.attention;
+            let (q, k, v) = (
+                a.query.forward(h.clone()),
+                a.key.forward(h.clone()),
+                a.value.forward(h),
+            );
+            return a
+                .output
+                .forward(crate::attention::causal_attention(q, k, v, a.n_heads));
+        }
+        self.attention
+            .forward(MhaInput::self_attn(h).mask_attn(causal.mask()))
+            .context
+    }
+}
+
+/// The causal mask `[batch, T, T]` (true above the diagonal: position `i` attends to `j ≤ i`
+/// only), built on first use: the attention op needs none.
+struct Causal {
+    dims: [usize; 2],
+    device: Device,
+    mask: std::cell::OnceCell<Tensor<3, Bool>>,
+}
+
+impl Causal {
+    fn mask(&self) -> Tensor<3, Bool> {
+        let [batch, seq] = self.dims;
+        self.mask
+            .get_or_init(|| {
+                Tensor::<2, Bool>::tril_mask([seq, seq], 0, &self.device).expand([batch, seq, seq])
+            })
+            .clone()
     }
 }
 
@@ -61,10 +114,13 @@ impl TransformerLm {
         let positions = Tensor::<1, Int>::arange(0..seq as i64, &device).reshape([1, seq]);
         let mut x =
             self.token_embedding.forward(tokens) + self.position_embedding.forward(positions);
-        // true above the diagonal: position i attends to positions ≤ i only.
-        let causal = Tensor::<2, Bool>::tril_mask([seq, seq], 0, &device).expand([batch, seq, seq]);
+        let causal = Causal {
+            dims: [batch, seq],
+            device,
+            mask: Default::default(),
+        };
         for block in &self.blocks {
-            x = block.forward(x, causal.clone());
+            x = block.forward(x, &causal);
         }
         self.head.forward(self.norm.forward(x))
     }

@@ -1,0 +1,753 @@
+//! # Causal self-attention as one operation, with its own backward pass
+//!
+//! burn's `MultiHeadAttention` composes attention from tensor ops: the heads are split out by a
+//! transposing copy, the scores `QKᵀ/√dₕ` are a batched product, the causal mask fills the
+//! upper triangle with `-10⁴`, the softmax (under autodiff: `exp`, `sum`, `div`, each a pass
+//! over `[batch, heads, T, T]`) runs over all `T²` scores, masked ones included, and the
+//! backward pass differentiates each of those ops. At the main job's sizes (`T = 64`,
+//! `dₕ = 16`) that is many small passes, and a third of its time was scalar `expf` on
+//! underflowing, masked scores.
+//!
+//! Here the attention of one sequence and head, for `q, k, v` the rows of the query, key and
+//! value projections (`i, j` positions, `j ≤ i` only: the mask is never materialised), is
+//!
+//! ```text
+//! forward                                   backward (given dO = ∂L/∂O)
+//! s_ij = q_i · k_j / √dₕ                    D_i   = dO_i · O_i
+//! ℓ_i  = log Σ_{j≤i} exp(s_ij)              p_ij  = exp(s_ij − ℓ_i)        (recomputed)
+//! p_ij = exp(s_ij − ℓ_i)                    ds_ij = p_ij (dO_i · v_j − D_i)
+//! O_i  = Σ_{j≤i} p_ij v_j                   dq_i  = Σ_j ds_ij k_j / √dₕ
+//!                                           dk_j  = Σ_i ds_ij q_i / √dₕ
+//!                                           dv_j  = Σ_i p_ij dO_i
+//! ```
+//!
+//! (FlashAttention's backward, Dao et al. 2022: `Σ_j p_ij dp_ij = dO_i · O_i`, so the softmax's
+//! backward needs no second pass over the row.) The op keeps `q, k, v, O` and the row log-sum-exps
+//! `ℓ` (`[batch, heads, T]`), not the `[batch, heads, T, T]` probabilities.
+//!
+//! It reads the heads straight out of the `[batch, T, heads·dₕ]` projections and writes its
+//! output in that layout, so no transposing copy is made either way. Sequences run in parallel
+//! on rayon's threads. It exists on Flex (`f32`, `f64`); other devices, attention dropout and
+//! quiet softmax use burn's `MultiHeadAttention`, whose outputs and gradients it matches
+//! (tests below).
+
+use burn::backend::autodiff::Autodiff;
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::backend::tensor::FloatTensor;
+use burn::backend::{Backend, DType, Flex, backend_extension};
+use burn::tensor::{Shape, Tensor, TensorData};
+use burn_flex::FlexTensor;
+use rayon::prelude::*;
+
+/// The attention op. Call it through [`causal_attention`].
+#[backend_extension(Flex, Autodiff)]
+pub trait AttentionOps: Backend {
+    /// `O = softmax(QKᵀ/√dₕ + causal mask) V` per head, for `q, k, v: [batch, T, heads·dₕ]`.
+    fn causal_attention(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        heads: usize,
+    ) -> FloatTensor<Self>;
+}
+
+/// Whether the op runs on the device and dtype of `x` (Flex, `f32` or `f64`).
+pub fn supported(x: &Tensor<3>) -> bool {
+    use burn::backend::DispatchDevice;
+    let device = x.device().without_autodiff();
+    matches!(device.as_dispatch(), DispatchDevice::Flex(_))
+        && matches!(x.dtype(), DType::F32 | DType::F64)
+}
+
+/// Causal multi-head attention of the projections `q, k, v: [batch, T, heads·dₕ]`, in that
+/// layout; on a [`supported`] tensor.
+pub fn causal_attention(q: Tensor<3>, k: Tensor<3>, v: Tensor<3>, heads: usize) -> Tensor<3> {
+    use burn::backend::Dispatch;
+    let o = <Dispatch as AttentionOps>::causal_attention(
+        q.into_dispatch(),
+        k.into_dispatch(),
+        v.into_dispatch(),
+        heads,
+    );
+    Tensor::from_dispatch(o)
+}
+
+impl AttentionOps for Flex {
+    fn causal_attention(q: FlexTensor, k: FlexTensor, v: FlexTensor, heads: usize) -> FlexTensor {
+        forward(&q, &k, &v, heads).0
+    }
+}
+
+/// What the backward pass keeps.
+#[derive(Debug, Clone)]
+struct Saved {
+    q: FlexTensor,
+    k: FlexTensor,
+    v: FlexTensor,
+    o: FlexTensor,
+    lse: FlexTensor,
+    heads: usize,
+}
+
+#[derive(Debug)]
+struct AttentionBackward;
+
+impl Backward<Flex, 3> for AttentionBackward {
+    type State = Saved;
+
+    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let s = ops.state;
+        let d_o = grads.consume::<Flex>(&ops.node);
+        let [dq, dk, dv] = backward(&s, &d_o);
+        for (node, grad) in ops.parents.into_iter().zip([dq, dk, dv]) {
+            if let Some(node) = node {
+                grads.register::<Flex>(node.id, grad);
+            }
+        }
+    }
+}
+
+impl<C: CheckpointStrategy> AttentionOps for Autodiff<Flex, C> {
+    fn causal_attention(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        heads: usize,
+    ) -> FloatTensor<Self> {
+        let (q, node_q) = q.into_parts();
+        let (k, node_k) = k.into_parts();
+        let (v, node_v) = v.into_parts();
+        match AttentionBackward
+            .prepare::<C>([node_q, node_k, node_v])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                let (o, lse) = forward(&q, &k, &v, heads);
+                let saved = Saved {
+                    q,
+                    k,
+                    v,
+                    o: o.clone(),
+                    lse,
+                    heads,
+                };
+                prep.finish(saved, o)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(forward(&q, &k, &v, heads).0),
+        }
+    }
+}
+
+/// The shape of the op: `[batch, T, d]` with `d = heads · dₕ`.
+#[derive(Debug, Clone, Copy)]
+struct Dims {
+    t: usize,
+    d: usize,
+    heads: usize,
+}
+
+impl Dims {
+    fn of(x: &FlexTensor, heads: usize) -> (usize, Self) {
+        let [batch, t, d] = x.layout().shape().dims::<3>();
+        assert!(
+            heads > 0 && d.is_multiple_of(heads),
+            "attention: d_model {d} is not a multiple of {heads} heads"
+        );
+        (batch, Self { t, d, heads })
+    }
+
+    fn dh(&self) -> usize {
+        self.d / self.heads
+    }
+}
+
+/// The `f32` or `f64` elements of `x` in row-major order.
+fn contiguous(x: &FlexTensor) -> FlexTensor {
+    if x.is_contiguous() && x.layout().start_offset() == 0 {
+        x.clone()
+    } else {
+        x.to_contiguous()
+    }
+}
+
+fn new_tensor<E: Real>(data: Vec<E>, shape: [usize; 3]) -> FlexTensor {
+    FlexTensor::from_data(TensorData::new(data, Shape::new(shape)))
+}
+
+/// Calls `$f::<E, true>` compiled for AVX2 + FMA when the CPU has them, else `$f::<E, false>`
+/// compiled for the baseline target.
+macro_rules! dispatch {
+    ($f:ident($($arg:expr),* $(,)?)) => {{
+        #[cfg(target_arch = "x86_64")]
+        {
+            #[target_feature(enable = "avx2,fma")]
+            unsafe fn fast<E: Real>(f: impl FnOnce()) {
+                f()
+            }
+            if std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma")
+            {
+                // SAFETY: the CPU has AVX2 and FMA.
+                unsafe { fast::<E>(|| $f::<E, true>($($arg),*)) }
+            } else {
+                $f::<E, false>($($arg),*)
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        $f::<E, false>($($arg),*)
+    }};
+}
+
+/// `(O, ℓ)`: the output `[batch, T, d]` and the row log-sum-exps `[batch, heads, T]`.
+fn forward(
+    q: &FlexTensor,
+    k: &FlexTensor,
+    v: &FlexTensor,
+    heads: usize,
+) -> (FlexTensor, FlexTensor) {
+    let (q, k, v) = (contiguous(q), contiguous(k), contiguous(v));
+    match q.dtype() {
+        DType::F32 => {
+            forward_typed::<f32>(q.storage(), k.storage(), v.storage(), Dims::of(&q, heads))
+        }
+        DType::F64 => {
+            forward_typed::<f64>(q.storage(), k.storage(), v.storage(), Dims::of(&q, heads))
+        }
+        other => panic!("attention: dtype {other:?} is not supported (f32, f64)"),
+    }
+}
+
+fn forward_typed<E: Real>(
+    q: &[E],
+    k: &[E],
+    v: &[E],
+    (batch, dims): (usize, Dims),
+) -> (FlexTensor, FlexTensor) {
+    let Dims { t, d, heads } = dims;
+    let mut o = vec![E::ZERO; batch * t * d];
+    let mut lse = vec![E::ZERO; batch * heads * t];
+    let n = t * d;
+    o.par_chunks_mut(n.max(1))
+        .zip(lse.par_chunks_mut((heads * t).max(1)))
+        .enumerate()
+        .for_each(|(b, (o, lse))| {
+            let range = b * n..(b + 1) * n;
+            let (q, k, v) = (&q[range.clone()], &k[range.clone()], &v[range]);
+            dispatch!(forward_sequence(q, k, v, dims, o, lse));
+        });
+    (
+        new_tensor(o, [batch, t, d]),
+        new_tensor(lse, [batch, heads, t]),
+    )
+}
+
+/// Per-head scratch: `T` and `dₕ` rounded up to the tile width, and the operands of the
+/// products laid out so that each product's right operand has contiguous rows.
+struct Scratch<E> {
+    tp: usize,
+    dp: usize,
+    /// `Kᵀ`, `Vᵀ`: `[dₕ, tp]`.
+    kt: Vec<E>,
+    vt: Vec<E>,
+    /// `K`, `V`, `Q`, `dO` of the head: `[T, dp]`.
+    kh: Vec<E>,
+    vh: Vec<E>,
+    qh: Vec<E>,
+    doh: Vec<E>,
+    /// Scores, then probabilities `P`; and `dS`: `[T, tp]`.
+    p: Vec<E>,
+    ds: Vec<E>,
+    /// A `[T, dp]` result.
+    out: Vec<E>,
+}
+
+impl<E: Real> Scratch<E> {
+    fn new(t: usize, dh: usize) -> Self {
+        let (tp, dp) = (t.next_multiple_of(L), dh.next_multiple_of(L));
+        let z = |n: usize| vec![E::ZERO; n];
+        Self {
+            tp,
+            dp,
+            kt: z(dh * tp),
+            vt: z(dh * tp),
+            kh: z(t * dp),
+            vh: z(t * dp),
+            qh: z(t * dp),
+            doh: z(t * dp),
+            p: z(t * tp),
+            ds: z(t * tp),
+            out: z(t * dp),
+        }
+    }
+}
+
+/// Rows and columns of a register tile of [`product`].
+const R: usize = 4;
+const L: usize = 16;
+
+/// `C[i, j] = Σ_{p ∈ ks(i₀)} A(i, p) B[p, j]` for `i < m` and `j < cols(i₀)`, where `i₀` is the
+/// first row of `i`'s tile of `R` rows, `A(i, p) = a[i·ars + p·acs]`, and the rows of `B` and `C`
+/// are contiguous (`ldb`, `ldc` apart). `cols` returns multiples of `L`; `B` has that many
+/// (zero-padded) columns. A tile of `R × L` sums stays in registers; the causal structure
+/// enters through `cols` and `ks`, which skip the blocks that are all zero.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn product<E: Real, const FUSED: bool>(
+    m: usize,
+    (a, ars, acs): (&[E], usize, usize),
+    (b, ldb): (&[E], usize),
+    (c, ldc): (&mut [E], usize),
+    cols: impl Fn(usize) -> usize,
+    ks: impl Fn(usize) -> (usize, usize),
+) {
+    for i0 in (0..m).step_by(R) {
+        let rows = R.min(m - i0);
+        let (k0, k1) = ks(i0);
+        // Rows past `m` repeat the last one and are not stored.
+        let row = |r: usize| (i0 + r).min(m - 1) * ars;
+        for j0 in (0..cols(i0)).step_by(L) {
+            let mut acc = [[E::ZERO; L]; R];
+            for p in k0..k1 {
+                let bp: &[E; L] = b[p * ldb + j0..p * ldb + j0 + L].try_into().unwrap();
+                for (r, acc) in acc.iter_mut().enumerate() {
+                    let a_ip = a[row(r) + p * acs];
+                    for l in 0..L {
+                        acc[l] = if FUSED {
+                            a_ip.mul_add(bp[l], acc[l])
+                        } else {
+                            acc[l] + a_ip * bp[l]
+                        };
+                    }
+                }
+            }
+            for (r, acc) in acc.iter().enumerate().take(rows) {
+                c[(i0 + r) * ldc + j0..(i0 + r) * ldc + j0 + L].copy_from_slice(acc);
+            }
+        }
+    }
+}
+
+/// The columns of `S` a tile of rows from `i₀` needs (`j ≤ i`), rounded up to the tile width.
+fn causal_cols(i0: usize, t: usize) -> usize {
+    (i0 + R).min(t).next_multiple_of(L)
+}
+
+/// Copies head columns `col..col + dₕ` of `x: [T, d]` into `rows: [T, dp]` and, if given,
+/// into `cols: [dₕ, tp]` (transposed); the padding stays zero.
+fn gather_head<E: Real>(
+    x: &[E],
+    (t, d, col, dh): (usize, usize, usize, usize),
+    rows: &mut [E],
+    dp: usize,
+    cols: Option<(&mut [E], usize)>,
+) {
+    for i in 0..t {
+        rows[i * dp..i * dp + dh].copy_from_slice(&x[i * d + col..i * d + col + dh]);
+    }
+    if let Some((cols, tp)) = cols {
+        for i in 0..t {
+            for c in 0..dh {
+                cols[c * tp + i] = x[i * d + col + c];
+            }
+        }
+    }
+}
+
+/// One sequence, all heads: `S = QKᵀ`, the causal softmax by rows, `O = PV`.
+#[inline(always)]
+fn forward_sequence<E: Real, const FUSED: bool>(
+    q: &[E],
+    k: &[E],
+    v: &[E],
+    dims: Dims,
+    o: &mut [E],
+    lse: &mut [E],
+) {
+    let Dims { t, d, heads } = dims;
+    let dh = dims.dh();
+    let scale = E::from_f64(1.0 / (dh as f64).sqrt());
+    let mut w = Scratch::<E>::new(t, dh);
+    let (tp, dp) = (w.tp, w.dp);
+    for h in 0..heads {
+        let col = h * dh;
+        let head = (t, d, col, dh);
+        gather_head(k, head, &mut w.kh, dp, Some((&mut w.kt, tp)));
+        gather_head(v, head, &mut w.vh, dp, None);
+        // S = Q Kᵀ (j < i₀ + R only)
+        product::<E, FUSED>(
+            t,
+            (&q[col..], d, 1),
+            (&w.kt, tp),
+            (&mut w.p, tp),
+            |i0| causal_cols(i0, t),
+            |_| (0, dh),
+        );
+        // P = softmax over j ≤ i of S/√dₕ;  ℓ_i = m + log Σ exp(s − m)
+        for i in 0..t {
+            let row = &mut w.p[i * tp..(i + 1) * tp];
+            let (seen, masked) = row.split_at_mut(i + 1);
+            let m = seen.iter().fold(E::NEG_INFINITY, |m, &s| m.max(s * scale));
+            let mut l = E::ZERO;
+            for s in seen.iter_mut() {
+                *s = (*s * scale - m).exp();
+                l += *s;
+            }
+            let inv = E::ONE / l;
+            seen.iter_mut().for_each(|s| *s = *s * inv);
+            masked.fill(E::ZERO);
+            lse[h * t + i] = m + l.ln();
+        }
+        // O = P V (p < i₀ + R only)
+        product::<E, FUSED>(
+            t,
+            (&w.p, tp, 1),
+            (&w.vh, dp),
+            (&mut w.out, dp),
+            |_| dp,
+            |i0| (0, (i0 + R).min(t)),
+        );
+        for i in 0..t {
+            o[i * d + col..i * d + col + dh].copy_from_slice(&w.out[i * dp..i * dp + dh]);
+        }
+    }
+}
+
+/// `[dq, dk, dv]`, each `[batch, T, d]`.
+fn backward(s: &Saved, d_o: &FlexTensor) -> [FlexTensor; 3] {
+    let d_o = contiguous(d_o);
+    let (q, k, v, o, lse) = (
+        contiguous(&s.q),
+        contiguous(&s.k),
+        contiguous(&s.v),
+        contiguous(&s.o),
+        contiguous(&s.lse),
+    );
+    let dims = Dims::of(&q, s.heads);
+    macro_rules! typed {
+        ($e:ty) => {
+            backward_typed::<$e>(
+                [
+                    q.storage(),
+                    k.storage(),
+                    v.storage(),
+                    o.storage(),
+                    d_o.storage(),
+                ],
+                lse.storage(),
+                dims,
+            )
+        };
+    }
+    match q.dtype() {
+        DType::F32 => typed!(f32),
+        DType::F64 => typed!(f64),
+        other => panic!("attention: dtype {other:?} is not supported (f32, f64)"),
+    }
+}
+
+fn backward_typed<E: Real>(
+    [q, k, v, o, d_o]: [&[E]; 5],
+    lse: &[E],
+    (batch, dims): (usize, Dims),
+) -> [FlexTensor; 3] {
+    let Dims { t, d, heads } = dims;
+    let n = t * d;
+    let mut grads = [(); 3].map(|_| vec![E::ZERO; batch * n]);
+    let [dq, dk, dv] = &mut grads;
+    dq.par_chunks_mut(n.max(1))
+        .zip(dk.par_chunks_mut(n.max(1)))
+        .zip(dv.par_chunks_mut(n.max(1)))
+        .enumerate()
+        .for_each(|(b, ((dq, dk), dv))| {
+            let r = b * n..(b + 1) * n;
+            let inputs = [
+                &q[r.clone()],
+                &k[r.clone()],
+                &v[r.clone()],
+                &o[r.clone()],
+                &d_o[r],
+            ];
+            let lse = &lse[b * heads * t..(b + 1) * heads * t];
+            dispatch!(backward_sequence(inputs, lse, dims, [dq, dk, dv]));
+        });
+    grads.map(|g| new_tensor(g, [batch, t, d]))
+}
+
+/// One sequence, all heads: `P` recomputed from `S = QKᵀ` and `ℓ`, `dP = dO Vᵀ`,
+/// `dS = P ⊙ (dP − D)/√dₕ`, then `dQ = dS K`, `dK = dSᵀ Q`, `dV = Pᵀ dO`.
+#[inline(always)]
+fn backward_sequence<E: Real, const FUSED: bool>(
+    [q, k, v, o, d_o]: [&[E]; 5],
+    lse: &[E],
+    dims: Dims,
+    [dq, dk, dv]: [&mut [E]; 3],
+) {
+    let Dims { t, d, heads } = dims;
+    let dh = dims.dh();
+    let scale = E::from_f64(1.0 / (dh as f64).sqrt());
+    let mut w = Scratch::<E>::new(t, dh);
+    let (tp, dp) = (w.tp, w.dp);
+    let cols = |i0| causal_cols(i0, t);
+    // Row tiles from i₀ need p < i₀ + R (P and dS vanish above the diagonal) ...
+    let below = |i0: usize| (0, (i0 + R).min(t));
+    // ... and column tiles from j₀ (the transposed products) need i ≥ j₀.
+    let above = |j0: usize| (j0, t);
+    for h in 0..heads {
+        let col = h * dh;
+        let head = (t, d, col, dh);
+        gather_head(k, head, &mut w.kh, dp, Some((&mut w.kt, tp)));
+        gather_head(v, head, &mut w.vh, dp, Some((&mut w.vt, tp)));
+        gather_head(q, head, &mut w.qh, dp, None);
+        gather_head(d_o, head, &mut w.doh, dp, None);
+        product::<E, FUSED>(
+            t,
+            (&q[col..], d, 1),
+            (&w.kt, tp),
+            (&mut w.p, tp),
+            cols,
+            |_| (0, dh),
+        );
+        product::<E, FUSED>(
+            t,
+            (&d_o[col..], d, 1),
+            (&w.vt, tp),
+            (&mut w.ds, tp),
+            cols,
+            |_| (0, dh),
+        );
+        for i in 0..t {
+            let row = i * d + col..i * d + col + dh;
+            let d_i = dot(&d_o[row.clone()], &o[row]);
+            let l_i = lse[h * t + i];
+            let p = &mut w.p[i * tp..(i + 1) * tp];
+            let ds = &mut w.ds[i * tp..(i + 1) * tp];
+            for (p, ds) in p[..=i].iter_mut().zip(&mut ds[..=i]) {
+                *p = (*p * scale - l_i).exp();
+                *ds = *p * (*ds - d_i) * scale;
+            }
+            p[i + 1..].fill(E::ZERO);
+            ds[i + 1..].fill(E::ZERO);
+        }
+        let scatter = |out: &[E], to: &mut [E]| {
+            for i in 0..t {
+                to[i * d + col..i * d + col + dh].copy_from_slice(&out[i * dp..i * dp + dh]);
+            }
+        };
+        product::<E, FUSED>(
+            t,
+            (&w.ds, tp, 1),
+            (&w.kh, dp),
+            (&mut w.out, dp),
+            |_| dp,
+            below,
+        );
+        scatter(&w.out, dq);
+        product::<E, FUSED>(
+            t,
+            (&w.ds, 1, tp),
+            (&w.qh, dp),
+            (&mut w.out, dp),
+            |_| dp,
+            above,
+        );
+        scatter(&w.out, dk);
+        product::<E, FUSED>(
+            t,
+            (&w.p, 1, tp),
+            (&w.doh, dp),
+            (&mut w.out, dp),
+            |_| dp,
+            above,
+        );
+        scatter(&w.out, dv);
+    }
+}
+
+/// `x · y`.
+#[inline(always)]
+fn dot<E: Real>(x: &[E], y: &[E]) -> E {
+    x.iter().zip(y).fold(E::ZERO, |s, (&a, &b)| s + a * b)
+}
+
+/// The element types of the op.
+trait Real:
+    Copy
+    + Send
+    + Sync
+    + PartialOrd
+    + core::ops::Add<Output = Self>
+    + core::ops::Sub<Output = Self>
+    + core::ops::Mul<Output = Self>
+    + core::ops::Div<Output = Self>
+    + core::ops::AddAssign
+    + burn::tensor::Element
+{
+    const ZERO: Self;
+    const ONE: Self;
+    const NEG_INFINITY: Self;
+    fn exp(self) -> Self;
+    fn ln(self) -> Self;
+    fn max(self, other: Self) -> Self;
+    fn mul_add(self, a: Self, b: Self) -> Self;
+    fn from_f64(x: f64) -> Self;
+}
+
+impl Real for f32 {
+    const ZERO: Self = 0.0;
+    const ONE: Self = 1.0;
+    const NEG_INFINITY: Self = f32::NEG_INFINITY;
+    #[inline(always)]
+    fn exp(self) -> Self {
+        ffn_model::math::exp(self)
+    }
+    fn ln(self) -> Self {
+        f32::ln(self)
+    }
+    #[inline(always)]
+    fn max(self, other: Self) -> Self {
+        f32::max(self, other)
+    }
+    #[inline(always)]
+    fn mul_add(self, a: Self, b: Self) -> Self {
+        f32::mul_add(self, a, b)
+    }
+    fn from_f64(x: f64) -> Self {
+        x as f32
+    }
+}
+
+impl Real for f64 {
+    const ZERO: Self = 0.0;
+    const ONE: Self = 1.0;
+    const NEG_INFINITY: Self = f64::NEG_INFINITY;
+    fn exp(self) -> Self {
+        f64::exp(self)
+    }
+    fn ln(self) -> Self {
+        f64::ln(self)
+    }
+    fn max(self, other: Self) -> Self {
+        f64::max(self, other)
+    }
+    #[inline(always)]
+    fn mul_add(self, a: Self, b: Self) -> Self {
+        f64::mul_add(self, a, b)
+    }
+    fn from_f64(x: f64) -> Self {
+        x
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::nn::attention::{MhaInput, MultiHeadAttentionConfig};
+    use burn::tensor::{Bool, DType, Device, Distribution, Tensor};
+
+    use super::*;
+
+    fn normal(shape: [usize; 3], device: &Device) -> Tensor<3> {
+        Tensor::random(shape, Distribution::Normal(0.0, 1.0), device)
+    }
+
+    /// `max |a − b| / max(1, max |b|)`.
+    fn relative(a: Tensor<3>, b: Tensor<3>) -> f64 {
+        let scale = b.clone().abs().max().into_scalar::<f64>().max(1.0);
+        (a - b).abs().max().into_scalar::<f64>() / scale
+    }
+
+    /// Outputs and gradients (input and every projection's weight) equal burn's
+    /// `MultiHeadAttention` with a causal mask, to f32 rounding.
+    #[test]
+    fn matches_burns_multi_head_attention() {
+        let device = Device::flex().autodiff();
+        device.seed(7);
+        let (batch, t, d, heads) = (3, 9, 12, 3);
+        let mha = MultiHeadAttentionConfig::new(d, heads)
+            .with_dropout(0.0)
+            .init(&device);
+        let x = normal([batch, t, d], &device);
+        let g = normal([batch, t, d], &device);
+        let causal = Tensor::<2, Bool>::tril_mask([t, t], 0, &device).expand([batch, t, t]);
+
+        let run = |op: bool| {
+            let x = x.clone().require_grad();
+            let y = if op {
+                let (q, k, v) = (
+                    mha.query.forward(x.clone()),
+                    mha.key.forward(x.clone()),
+                    mha.value.forward(x.clone()),
+                );
+                mha.output.forward(causal_attention(q, k, v, heads))
+            } else {
+                mha.forward(MhaInput::self_attn(x.clone()).mask_attn(causal.clone()))
+                    .context
+            };
+            let grads = (y.clone() * g.clone()).sum().backward();
+            let weight = |l: &burn::nn::Linear| {
+                let w = l.weight.val().grad(&grads).unwrap();
+                let [r, c] = w.dims();
+                w.reshape([1, r, c])
+            };
+            (
+                y.inner(),
+                x.grad(&grads).unwrap(),
+                [&mha.query, &mha.key, &mha.value, &mha.output].map(weight),
+            )
+        };
+        let (y_op, dx_op, dw_op) = run(true);
+        let (y_ref, dx_ref, dw_ref) = run(false);
+        assert!(relative(y_op, y_ref) < 1e-5);
+        assert!(relative(dx_op, dx_ref) < 1e-4);
+        for (a, b) in dw_op.into_iter().zip(dw_ref) {
+            assert!(relative(a, b) < 1e-4);
+        }
+    }
+
+    /// In f64, `⟨∇L, u⟩` of each input matches the central difference
+    /// `(L(x + εu) − L(x − εu)) / 2ε` for `L = Σ O ⊙ g`; and a later position never moves an
+    /// earlier output (causality).
+    #[test]
+    fn gradients_match_finite_differences_and_attention_is_causal() {
+        let device = Device::flex().autodiff();
+        device.seed(11);
+        let (batch, t, d, heads) = (2, 6, 8, 2);
+        let f64_normal = || normal([batch, t, d], &device).cast(DType::F64);
+        let inputs = [f64_normal(), f64_normal(), f64_normal()];
+        let g = f64_normal();
+        let loss = |[q, k, v]: [Tensor<3>; 3]| (causal_attention(q, k, v, heads) * g.clone()).sum();
+
+        let tracked = inputs.clone().map(|x| x.require_grad());
+        let grads = loss(tracked.clone()).backward();
+        for which in 0..3 {
+            let u = f64_normal();
+            let analytic: f64 = (tracked[which].grad(&grads).unwrap() * u.clone().inner())
+                .sum()
+                .into_scalar();
+            let eps = 1e-6;
+            let at = |s: f64| -> f64 {
+                let mut shifted = inputs.clone();
+                shifted[which] = shifted[which].clone() + u.clone() * (s * eps);
+                loss(shifted).into_scalar()
+            };
+            let numeric = (at(1.0) - at(-1.0)) / (2.0 * eps);
+            let error = (analytic - numeric).abs() / analytic.abs().max(1.0);
+            assert!(error < 1e-7, "input {which}: {analytic} vs {numeric}");
+        }
+
+        // Changing the keys and values of the last position leaves the others' outputs.
+        let [q, k, v] = inputs;
+        let o = causal_attention(q.clone(), k.clone(), v.clone(), heads);
+        let bump = |x: Tensor<3>| {
+            let last = x.clone().slice([0..batch, t - 1..t, 0..d]) + 1.0;
+            x.slice_assign([0..batch, t - 1..t, 0..d], last)
+        };
+        let o2 = causal_attention(q, bump(k), bump(v), heads);
+        let head = |o: Tensor<3>| o.slice([0..batch, 0..t - 1, 0..d]);
+        assert!(relative(head(o2.clone()), head(o.clone())) == 0.0);
+        assert!(relative(o2, o) > 1e-3);
+    }
+}
