@@ -136,12 +136,19 @@ fn matmul_blas(blas: &blas::Blas, lhs: FlexTensor, rhs: FlexTensor) -> FlexTenso
     let (rhs, b) = operand(rhs);
     let [m, k] = lhs.layout().shape().dims::<2>();
     let n = rhs.layout().shape()[1];
-    let mut c = vec![0.0f32; m * n];
     if m == 0 || n == 0 || k == 0 {
+        let c = vec![0.0f32; m * n];
         return FlexTensor::from_data(burn::tensor::TensorData::new(c, [m, n]));
     }
-    // SAFETY: `operand` checked the layouts; `c` holds m·n floats.
-    unsafe { blas.sgemm(m, n, k, a, b, c.as_mut_ptr()) };
+    // No zero fill: with β = 0 the SGEMM writes every element of C without reading it.
+    let mut c: Vec<std::mem::MaybeUninit<f32>> = Vec::with_capacity(m * n);
+    // SAFETY: `operand` checked the layouts; `c` has room for m·n floats, all written here.
+    let c = unsafe {
+        blas.sgemm(m, n, k, a, b, c.as_mut_ptr().cast::<f32>());
+        c.set_len(m * n);
+        let mut c = std::mem::ManuallyDrop::new(c);
+        Vec::from_raw_parts(c.as_mut_ptr().cast::<f32>(), c.len(), c.capacity())
+    };
     FlexTensor::from_data(burn::tensor::TensorData::new(c, [m, n]))
 }
 
