@@ -166,7 +166,7 @@ impl Dims {
 }
 
 /// The `f32` or `f64` elements of `x` in row-major order.
-fn contiguous(x: &FlexTensor) -> FlexTensor {
+pub(crate) fn contiguous(x: &FlexTensor) -> FlexTensor {
     if x.is_contiguous() && x.layout().start_offset() == 0 {
         x.clone()
     } else {
@@ -174,7 +174,7 @@ fn contiguous(x: &FlexTensor) -> FlexTensor {
     }
 }
 
-fn new_tensor<E: Real>(data: Vec<E>, shape: [usize; 3]) -> FlexTensor {
+pub(crate) fn new_tensor<E: Real>(data: Vec<E>, shape: [usize; 3]) -> FlexTensor {
     FlexTensor::from_data(TensorData::new(data, Shape::new(shape)))
 }
 
@@ -573,8 +573,8 @@ fn dot<E: Real>(x: &[E], y: &[E]) -> E {
     x.iter().zip(y).fold(E::ZERO, |s, (&a, &b)| s + a * b)
 }
 
-/// The element types of the op.
-trait Real:
+/// The element types of the op (and of the cross-entropy op).
+pub(crate) trait Real:
     Copy
     + Send
     + Sync
@@ -593,6 +593,7 @@ trait Real:
     fn ln(self) -> Self;
     fn max(self, other: Self) -> Self;
     fn mul_add(self, a: Self, b: Self) -> Self;
+    fn to_f64(self) -> f64;
     fn from_f64(x: f64) -> Self;
 }
 
@@ -615,6 +616,9 @@ impl Real for f32 {
     fn mul_add(self, a: Self, b: Self) -> Self {
         f32::mul_add(self, a, b)
     }
+    fn to_f64(self) -> f64 {
+        f64::from(self)
+    }
     fn from_f64(x: f64) -> Self {
         x as f32
     }
@@ -636,6 +640,9 @@ impl Real for f64 {
     #[inline(always)]
     fn mul_add(self, a: Self, b: Self) -> Self {
         f64::mul_add(self, a, b)
+    }
+    fn to_f64(self) -> f64 {
+        self
     }
     fn from_f64(x: f64) -> Self {
         x

@@ -20,6 +20,7 @@ pub mod config;
 pub mod data;
 mod error;
 pub mod inference;
+pub mod loss;
 pub mod metrics;
 pub mod model;
 pub mod plot;

@@ -12,7 +12,6 @@
 use burn::module::Module;
 use burn::nn::attention::{MhaInput, MultiHeadAttention, MultiHeadAttentionConfig};
 use burn::nn::{Embedding, EmbeddingConfig, LayerNorm, LayerNormConfig, Linear, LinearConfig};
-use burn::tensor::activation::log_softmax;
 use burn::tensor::{Bool, Device, Int, Tensor};
 use ffn_model::{FeedForward, FeedForwardConfig};
 
@@ -258,11 +257,10 @@ impl Model {
                 let targets = tokens
                     .clone()
                     .slice([0..batch, 1..len])
-                    .reshape([batch * seq, 1]);
+                    .reshape([batch * seq]);
                 let logits = model.logits(inputs).expect("a language model");
                 let vocab = logits.dims()[2];
-                let log_probs = log_softmax(logits.reshape([batch * seq, vocab]), 1);
-                -log_probs.gather(1, targets).mean()
+                crate::loss::cross_entropy(logits.reshape([batch * seq, vocab]), targets)
             }
             _ => panic!("the batch does not match the model"),
         }
