@@ -6,7 +6,10 @@
 
 For each config and round: `ffn-train train` (evaluation and checkpoints only at the end), then
 the twin on that run's resolved config. ffn's tokens/s is its summary's (training steps only);
-cores busy is the process's CPU time over its wall time (wait4). Prints a Markdown table: per
+cores busy is the process's CPU time over its wall time. The twin runs with the glibc settings
+that `ffn-train` makes for itself (`training::keep_freed_memory`: freed memory stays mapped),
+given as `MALLOC_*_` environment variables, so that neither side pays page faults the other
+does not (`--plain-allocator` leaves the twin's allocator alone). Prints a Markdown table: per
 config the best round of each side (the machine is shared and noisy), the ratio
 ffn / PyTorch (above 1: ffn is faster), and the cores each kept busy. Build first:
 `cargo build --release -p ffn-train`.
@@ -57,8 +60,16 @@ def main():
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--binary", default="target/release/ffn-train")
+    p.add_argument("--plain-allocator", action="store_true")
     a = p.parse_args()
     env = dict(os.environ, RAYON_NUM_THREADS=str(a.threads), OMP_NUM_THREADS=str(a.threads))
+    twin_env = dict(env)
+    if not a.plain_allocator:  # the mallopt calls of ffn-train's keep_freed_memory
+        twin_env.update(
+            MALLOC_MMAP_THRESHOLD_=str(256 << 20),
+            MALLOC_TRIM_THRESHOLD_=str(1 << 30),
+            MALLOC_TOP_PAD_=str(64 << 20),
+        )
     rows = {}
     with tempfile.TemporaryDirectory() as scratch:
         for r in range(a.rounds):
@@ -80,7 +91,7 @@ def main():
                 ffn = (summary["tokens_per_s"], cpu / wall)
                 twin = [sys.executable, os.path.join(HERE, "twin_torch.py"), run,
                         "--threads", str(a.threads), "--steps", str(a.steps)]
-                out, _ = timed(twin, env)
+                out, _ = timed(twin, twin_env)
                 torch = json.loads(out.strip().splitlines()[-1])
                 rows.setdefault(config, []).append((ffn, (torch["tokens_per_s"], torch["cores_busy"])))
                 print(
@@ -88,8 +99,9 @@ def main():
                     f"PyTorch {torch['tokens_per_s']:,.0f} tok/s ({torch['cores_busy']:.2f} cores)",
                     file=sys.stderr,
                 )
+    allocator = "plain" if a.plain_allocator else "the same glibc settings"
     print(f"\n{cpu_name()} ({cpu_flags()}), {a.threads} threads each, {a.steps} steps, "
-          f"best of {a.rounds} rounds taken in turn\n")
+          f"best of {a.rounds} rounds taken in turn; the twin's allocator: {allocator}\n")
     print("| config | ffn tokens/s | cores busy | PyTorch tokens/s | cores busy | ffn / PyTorch |")
     print("|---|---|---|---|---|---|")
     for config, results in rows.items():

@@ -12,6 +12,8 @@ The networks (ffn-train's `model.rs`):
 - transformer: token + position embeddings, `n_layers` pre-norm blocks
   `x += Attention(LN(x))`, `x += FFN(LN(x))` (causal multi-head attention with biased q/k/v/o
   projections, burn's `MultiHeadAttention`), a final LayerNorm and a biased linear head;
+- dropout where the config has it: the FFN's (on the hidden layer or its output) and the
+  attention weights';
 - window: the embeddings of the last `window` tokens (a padding row before the start),
   concatenated, a linear projection, `x += FFN(LN(x))`, a linear head.
 The loss is the mean next-token cross-entropy; AdamW (beta1, beta2, weight decay) with global
@@ -55,20 +57,26 @@ class FeedForward(torch.nn.Module):
             if self.gated:
                 self.gate = torch.nn.Linear(d, d_ff, bias=c["bias_gate"])
         self.down = torch.nn.Linear(d_ff, d, bias=c["bias_down"])
+        self.dropout = torch.nn.Dropout(c.get("dropout", 0.0))
+        self.at_output = c.get("dropout_at", "hidden") == "output"
 
     def forward(self, x):
         if self.fused:
             g, u = self.gate_up(x).chunk(2, dim=-1)
-            return self.down(self.act(g) * u)
-        if self.gated:
-            return self.down(self.act(self.gate(x)) * self.up(x))
-        return self.down(self.act(self.up(x)))
+            h = self.act(g) * u
+        elif self.gated:
+            h = self.act(self.gate(x)) * self.up(x)
+        else:
+            h = self.act(self.up(x))
+        if self.at_output:
+            return self.dropout(self.down(h))
+        return self.down(self.dropout(h))
 
 
 class Attention(torch.nn.Module):
-    def __init__(self, d, heads, manual):
+    def __init__(self, d, heads, manual, dropout):
         super().__init__()
-        self.heads, self.manual = heads, manual
+        self.heads, self.manual, self.p = heads, manual, dropout
         self.query, self.key, self.value, self.output = (torch.nn.Linear(d, d) for _ in range(4))
 
     def forward(self, x):
@@ -78,9 +86,11 @@ class Attention(torch.nn.Module):
         if self.manual:
             scores = q @ k.transpose(-2, -1) / (d // self.heads) ** 0.5
             causal = torch.ones(t, t, dtype=torch.bool).triu(1)
-            a = scores.masked_fill(causal, float("-inf")).softmax(-1) @ v
+            weights = scores.masked_fill(causal, float("-inf")).softmax(-1)
+            a = F.dropout(weights, self.p, self.training) @ v
         else:
-            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            p = self.p if self.training else 0.0
+            a = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
         return self.output(a.transpose(1, 2).reshape(b, t, d))
 
 
@@ -89,7 +99,7 @@ class Block(torch.nn.Module):
         super().__init__()
         d = m["d_model"]
         self.norm_attention = torch.nn.LayerNorm(d)
-        self.attention = Attention(d, m["n_heads"], manual)
+        self.attention = Attention(d, m["n_heads"], manual, m.get("attention_dropout", 0.0))
         self.norm_ffn = torch.nn.LayerNorm(d)
         self.ffn = FeedForward(ffn)
 
