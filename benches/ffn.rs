@@ -27,6 +27,7 @@
 //! cargo bench --bench ffn -- --json rows.jsonl       # also one JSON object per row
 //! cargo bench --bench ffn -- --repeats 3 --variants SwiGLU,FFN_GELU --modes fwd+bwd,block
 //! cargo bench --bench ffn -- --memory                # peak memory of a training step
+//! cargo bench --bench ffn -- --memory-mode recompute  # times with memory = "recompute"
 //! cargo bench --bench ffn --features wgpu -- --backends wgpu   # on the GPU
 //! python3 tools/bench_compare.py                     # side by side with PyTorch, ratios
 //! python3 tools/bench_compare.py --memory            # the same for memory
@@ -250,6 +251,11 @@ fn main() {
             })
             .collect()
     });
+    let memory = match value("--memory-mode").as_deref() {
+        None | Some("save") => Memory::Save,
+        Some("recompute") => Memory::Recompute,
+        Some(other) => panic!("--memory-mode: save or recompute, not {other}"),
+    };
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     println!(
         "FFN benchmark: median of {repeats}, {threads} threads, GFLOP/s of the matrix products; BLAS: {}",
@@ -272,8 +278,9 @@ fn main() {
                         (Path::Op, true) => format!("{backend}-fused"),
                         (Path::Composed, _) => format!("{backend}-composed"),
                     };
-                    let config =
-                        FeedForwardConfig::preset(variant, d_model).with_fused_gate_up(fused);
+                    let config = FeedForwardConfig::preset(variant, d_model)
+                        .with_fused_gate_up(fused)
+                        .with_memory(memory);
                     let rows = run(&config, &device, tokens, path, repeats, &modes);
                     let flops = (config.flops_per_token() * tokens as u64) as f64;
                     for (mode, seconds) in rows {

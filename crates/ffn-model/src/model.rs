@@ -60,7 +60,7 @@ pub struct FeedForward {
     #[module(skip)]
     dropout_at: DropoutAt,
     #[module(skip)]
-    memory: Memory,
+    pub(crate) memory: Memory,
     /// `φ`, recorded with the weights.
     activation: ActivationState,
 }

@@ -24,12 +24,15 @@
 //! each.
 //!
 //! What the backward keeps ([`Memory`]): `x` and the pre-activations `a` (or `g`, `u`), and, in
-//! [`Memory::Save`] mode, `h`; in [`Memory::Recompute`] mode `h` is recomputed from the
+//! [`Memory::Save`] mode, `h`; in [`Memory::Recompute`] mode both passes go through the tokens
+//! in chunks (the weight gradients summed over them) and `h` is recomputed from the
 //! pre-activations in the backward pass (one element-wise pass, the Liger-Kernel trade).
 //!
 //! Each backend gets the op through burn's backend extensions. The matrix products and the two
 //! element-wise passes are the [`Kernels`] of a backend: burn's own ops by default, a tuned
 //! SGEMM and vectorised element-wise loops on Flex (`cpu.rs`).
+
+use std::ops::Range;
 
 use burn::backend::autodiff::Autodiff;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
@@ -50,7 +53,9 @@ pub enum Memory {
     #[default]
     Save,
     /// Keep `x` and the pre-activations; recompute `h` in the backward pass (one element-wise
-    /// pass more, one `[tokens, d_ff]` tensor less per layer).
+    /// pass more), and work through the tokens in chunks of about 2²¹ hidden values in both
+    /// passes, so that no other `[tokens, d_ff]` tensor is ever whole: the peak memory of a
+    /// step is then the saved pre-activations plus a few MiB (the Liger-Kernel trade).
     Recompute,
 }
 
@@ -194,6 +199,96 @@ fn t<B: Backend>(m: FloatTensor<B>) -> FloatTensor<B> {
     B::float_transpose(m)
 }
 
+/// Rows `r` of a `[T, n]` tensor (a view on the CPU backends).
+fn rows_of<B: Backend>(m: &FloatTensor<B>, r: &Range<usize>) -> FloatTensor<B> {
+    let n = m.shape()[1];
+    let slices = [
+        Slice::new(r.start as isize, Some(r.end as isize), 1),
+        Slice::new(0, Some(n as isize), 1),
+    ];
+    B::float_slice(m.clone(), &slices)
+}
+
+impl<B: Backend> Pre<B> {
+    fn rows(&self, r: &Range<usize>) -> Self {
+        match self {
+            Pre::Plain(a) => Pre::Plain(rows_of::<B>(a, r)),
+            Pre::Gated(g, u) => Pre::Gated(rows_of::<B>(g, r), rows_of::<B>(u, r)),
+            Pre::Fused(gu) => Pre::Fused(rows_of::<B>(gu, r)),
+        }
+    }
+
+    /// Rows and total width (`d_ff`, or `2·d_ff` gated).
+    fn dims(&self) -> (usize, usize) {
+        let [rows, width] = match self {
+            Pre::Plain(a) | Pre::Gated(a, _) => a.shape().dims::<2>(),
+            Pre::Fused(gu) => gu.shape().dims::<2>(),
+        };
+        let gated = matches!(self, Pre::Gated(..));
+        (rows, if gated { 2 * width } else { width })
+    }
+}
+
+/// Elements of `[rows, d_ff]` hidden tensors that one chunk of [`Memory::Recompute`] holds
+/// (8 MiB in f32).
+const CHUNK_ELEMENTS: usize = 1 << 21;
+
+/// The token ranges the op works through: all at once in [`Memory::Save`] mode; in
+/// [`Memory::Recompute`] mode chunks of about [`CHUNK_ELEMENTS`] hidden values, so that no
+/// `[T, d_ff]` tensor besides the saved pre-activations is ever whole.
+fn chunks(pre: &Pre<impl Backend>, memory: Memory) -> Vec<Range<usize>> {
+    let (rows, width) = pre.dims();
+    #[cfg(test)]
+    let target = tests::chunk_elements();
+    #[cfg(not(test))]
+    let target = CHUNK_ELEMENTS;
+    let step = match memory {
+        Memory::Save => rows.max(1),
+        Memory::Recompute => (target / width.max(1)).max(1),
+    };
+    let mut ranges: Vec<Range<usize>> = (0..rows)
+        .step_by(step)
+        .map(|r0| r0..(r0 + step).min(rows))
+        .collect();
+    if ranges.is_empty() {
+        ranges.push(0..0);
+    }
+    ranges
+}
+
+/// `y = φ(pre) W_down + b_down`, one chunk of rows at a time (see [`chunks`]); also `h` when it
+/// is computed whole.
+fn project_out_chunked<B: Kernels>(
+    pre: &Pre<B>,
+    w: &Weights<B>,
+    spec: Spec,
+) -> (FloatTensor<B>, Option<FloatTensor<B>>) {
+    let ranges = chunks(pre, spec.memory);
+    if ranges.len() == 1 {
+        let h = B::ffn_hidden(pre, spec.activation);
+        return (project_out(h.clone(), w), Some(h));
+    }
+    let parts = ranges
+        .iter()
+        .map(|r| {
+            let h = B::ffn_hidden(&pre.rows(r), spec.activation);
+            B::ffn_matmul(h, w.w_down.clone())
+        })
+        .collect();
+    (
+        add_bias::<B>(B::float_cat(parts, 0), w.b_down.clone()),
+        None,
+    )
+}
+
+/// `acc + t`, or `t` for the first term.
+fn accumulate<B: Backend>(acc: &mut Option<FloatTensor<B>>, t: FloatTensor<B>) {
+    *acc = Some(match acc.take() {
+        Some(sum) => B::float_add(sum, t),
+        None => t,
+    });
+}
+
 /// The pre-activations: `a`, `(g, u)` or `[g | u]`.
 fn project_in<B: Kernels>(x: &FloatTensor<B>, w: &Weights<B>, spec: Spec) -> Pre<B> {
     let linear = |weight: &FloatTensor<B>, bias: &Option<FloatTensor<B>>| {
@@ -313,50 +408,86 @@ impl<B: Kernels, const N: usize> Backward<B, N> for FeedForwardBackward {
         let node_b_up = next(present.b_up);
         let node_b_down = next(present.b_down);
 
-        // dW_down = hᵀ dy,  db_down = Σ_T dy
-        if let Some(node) = node_w_down {
-            let h = h.unwrap_or_else(|| B::ffn_hidden(&pre, spec.activation));
-            grads.register::<B>(node.id, B::ffn_matmul(t::<B>(h), dy.clone()));
-        }
+        // db_down = Σ_T dy
         if let Some(node) = node_b_down {
             grads.register::<B>(node.id, bias_grad::<B>(dy.clone()));
         }
-
-        // dh = dy W_downᵀ, then through φ (and the gating product) to the pre-activations.
-        let dh = B::ffn_matmul(dy, t::<B>(w.w_down));
         #[cfg(test)]
         let spec = tests::maybe_break(spec);
-        let dpre = B::ffn_hidden_backward(dh, &pre, spec.activation);
-        drop(pre);
 
-        // dW = xᵀ d(pre),  db = Σ_T d(pre),  dx = Σ d(pre) Wᵀ over the projections.
-        let projections = match dpre {
-            Pre::Plain(da) | Pre::Fused(da) => vec![(da, w.w_up, node_w_up, node_b_up)],
-            Pre::Gated(dg, du) => {
-                let w_gate = w.w_gate.expect("a gated, unfused op has W_gate");
-                vec![
-                    (dg, w_gate, node_w_gate, node_b_gate),
-                    (du, w.w_up, node_w_up, node_b_up),
-                ]
+        // The rest row chunk by row chunk (one chunk, the whole batch, unless recomputing):
+        // dW_down = hᵀ dy,  dh = dy W_downᵀ, then through φ (and the gating product) to the
+        // pre-activations, then dW = xᵀ d(pre), db = Σ_T d(pre), dx = Σ d(pre) Wᵀ over the
+        // projections; the weight gradients are summed over chunks.
+        let ranges = chunks(&pre, spec.memory);
+        let whole = ranges.len() == 1;
+        let (mut pre, mut h) = (Some(pre), h);
+        let mut dw_down = None;
+        let [mut dw, mut db] = [[None, None], [None, None]];
+        let mut dx_parts = Vec::with_capacity(ranges.len());
+        for r in &ranges {
+            // The whole batch is moved, not viewed, so that it is freed as soon as it is used.
+            let pre_r = if whole {
+                pre.take().expect("one chunk")
+            } else {
+                pre.as_ref().expect("pre-activations").rows(r)
+            };
+            let (x_r, dy_r) = if whole {
+                (x.clone(), dy.clone())
+            } else {
+                (rows_of::<B>(&x, r), rows_of::<B>(&dy, r))
+            };
+            if node_w_down.is_some() {
+                let h_r = match h.take() {
+                    Some(h) => h,
+                    None => B::ffn_hidden(&pre_r, spec.activation),
+                };
+                accumulate::<B>(&mut dw_down, B::ffn_matmul(t::<B>(h_r), dy_r.clone()));
             }
-        };
-        let mut dx: Option<FloatTensor<B>> = None;
-        for (d, weight, node_w, node_b) in projections {
-            if let Some(node) = node_w {
-                grads.register::<B>(node.id, B::ffn_matmul(t::<B>(x.clone()), d.clone()));
+            let dh = B::ffn_matmul(dy_r, t::<B>(w.w_down.clone()));
+            let dpre = B::ffn_hidden_backward(dh, &pre_r, spec.activation);
+            drop(pre_r);
+            let projections = match dpre {
+                Pre::Plain(da) | Pre::Fused(da) => vec![(da, 1)],
+                Pre::Gated(dg, du) => vec![(dg, 0), (du, 1)],
+            };
+            let mut dx_r: Option<FloatTensor<B>> = None;
+            for (d, p) in projections {
+                let (weight, node_w, node_b) = if p == 0 {
+                    let w_gate = w.w_gate.as_ref().expect("a gated, unfused op has W_gate");
+                    (w_gate, &node_w_gate, &node_b_gate)
+                } else {
+                    (&w.w_up, &node_w_up, &node_b_up)
+                };
+                if node_w.is_some() {
+                    accumulate::<B>(&mut dw[p], B::ffn_matmul(t::<B>(x_r.clone()), d.clone()));
+                }
+                if node_b.is_some() {
+                    accumulate::<B>(&mut db[p], bias_grad::<B>(d.clone()));
+                }
+                if node_x.is_some() {
+                    accumulate::<B>(&mut dx_r, B::ffn_matmul(d, t::<B>(weight.clone())));
+                }
             }
-            if let Some(node) = node_b {
-                grads.register::<B>(node.id, bias_grad::<B>(d.clone()));
-            }
-            if node_x.is_some() {
-                let term = B::ffn_matmul(d, t::<B>(weight));
-                dx = Some(match dx {
-                    Some(sum) => B::float_add(sum, term),
-                    None => term,
-                });
+            dx_parts.extend(dx_r);
+        }
+        if let (Some(node), Some(g)) = (node_w_down, dw_down) {
+            grads.register::<B>(node.id, g);
+        }
+        let nodes = [[node_w_gate, node_w_up], [node_b_gate, node_b_up]];
+        for (nodes, sums) in nodes.into_iter().zip([dw, db]) {
+            for (node, sum) in nodes.into_iter().zip(sums) {
+                if let (Some(node), Some(sum)) = (node, sum) {
+                    grads.register::<B>(node.id, sum);
+                }
             }
         }
-        if let (Some(node), Some(dx)) = (node_x, dx) {
+        if let Some(node) = node_x {
+            let dx = if dx_parts.len() == 1 {
+                dx_parts.pop().expect("one part")
+            } else {
+                B::float_cat(dx_parts, 0)
+            };
             grads.register::<B>(node.id, dx);
         }
     }
@@ -377,9 +508,9 @@ fn tracked<B: Kernels, C: CheckpointStrategy, const N: usize>(
         .stateful()
     {
         OpsKind::Tracked(prep) => {
-            let (pre, h) = forward(&x, &w, spec);
-            let y = project_out(h.clone(), &w);
-            let h = (spec.memory == Memory::Save).then_some(h);
+            let pre = project_in(&x, &w, spec);
+            let (y, h) = project_out_chunked(&pre, &w, spec);
+            let h = h.filter(|_| spec.memory == Memory::Save);
             let saved = Saved {
                 x,
                 weights: w,
@@ -669,6 +800,12 @@ mod tests {
     thread_local! {
         /// Makes the op's backward use the identity's derivative (`φ' = 1`) instead of `φ'`.
         static BROKEN: Cell<bool> = const { Cell::new(false) };
+        /// The chunk size of [`Memory::Recompute`](super::Memory) on this thread.
+        static CHUNK: Cell<usize> = const { Cell::new(super::CHUNK_ELEMENTS) };
+    }
+
+    pub(super) fn chunk_elements() -> usize {
+        CHUNK.with(Cell::get)
     }
 
     pub(super) fn maybe_break(spec: Spec) -> Spec {
@@ -727,6 +864,65 @@ mod tests {
     }
 
     use burn::module::Module as _;
+
+    /// `memory = "recompute"` in chunks of a few rows (37 tokens: chunks of 3 to 10 rows, the
+    /// last one short) gives the output and every gradient of `memory = "save"` (one chunk),
+    /// biased and not, gated, fused and not, to f64 rounding.
+    #[test]
+    fn recomputing_in_chunks_gives_the_same_outputs_and_gradients() {
+        let device = Device::flex().autodiff();
+        for (gated, fused, bias) in [
+            (false, false, true),
+            (true, false, false),
+            (true, true, true),
+        ] {
+            device.seed(5);
+            let config = FeedForwardConfig::new(5, 7)
+                .with_activation(Activation::Gelu)
+                .with_gated(gated)
+                .with_fused_gate_up(fused)
+                .with_bias_up(bias)
+                .with_bias_gate(bias && gated)
+                .with_bias_down(bias);
+            let save = config.clone().init(&device).map(&mut F64);
+            let x = Tensor::<2>::random([37, 5], Distribution::Normal(0.0, 1.0), &device)
+                .cast(DType::F64);
+            let g = Tensor::<2>::random([37, 5], Distribution::Normal(0.0, 1.0), &device)
+                .cast(DType::F64);
+            let run = |memory: super::Memory, chunk: usize| {
+                CHUNK.with(|c| c.set(chunk));
+                let mut ffn = save.clone();
+                ffn.memory = memory;
+                let x = x.clone().require_grad();
+                let y = ffn.forward(x.clone());
+                let grads = (y.clone() * g.clone()).sum().backward();
+                CHUNK.with(|c| c.set(super::CHUNK_ELEMENTS));
+                let mut all = vec![y.inner(), x.grad(&grads).unwrap()];
+                ffn.visit(&mut Grads(&grads, &mut all));
+                all
+            };
+            let reference = run(super::Memory::Save, super::CHUNK_ELEMENTS);
+            for chunk in [3 * 7, 10 * 14] {
+                let chunked = run(super::Memory::Recompute, chunk);
+                assert_eq!(chunked.len(), reference.len());
+                for (a, b) in chunked.into_iter().zip(&reference) {
+                    let error: f64 = (a - b.clone()).abs().max().into_scalar();
+                    assert!(error < 1e-12, "gated {gated}, fused {fused}: {error}");
+                }
+            }
+        }
+    }
+
+    /// Collects every parameter's gradient, flattened.
+    struct Grads<'a>(&'a burn::tensor::Gradients, &'a mut Vec<Tensor<2>>);
+
+    impl burn::module::ModuleVisitor for Grads<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &burn::module::Param<Tensor<D>>) {
+            let g = param.val().grad(self.0).expect("a gradient");
+            let n = g.shape().num_elements();
+            self.1.push(g.reshape([1, n]));
+        }
+    }
 
     /// The finite-difference check passes on the op's backward and fails on a broken one.
     #[test]
