@@ -102,6 +102,59 @@ fn default_activation() -> Activation {
 
 /// PyTorch's `nn.Linear` default: Kaiming-uniform with gain `1/√3`, i.e. `U(-1/√fan_in, 1/√fan_in)`
 /// for weights and biases alike.
+/// The largest `d_model` or `d_ff` a config accepts (2²⁴ = 16,777,216; the largest FFNs in use
+/// are below 2¹⁸).
+pub const MAX_DIM: usize = 1 << 24;
+
+/// The most elements one weight matrix may have, `d_model · d_ff ≤ 2³³` (32 GiB of `f32`).
+pub const MAX_MATRIX: usize = 1 << 33;
+
+/// Checks that `initializer` describes a distribution burn can draw from, so that `init` cannot
+/// panic on it: finite parameters, `min < max`, a standard deviation `≥ 0`, a gain `> 0`.
+fn validate_initializer(initializer: &Initializer) -> Result<(), ConfigError> {
+    let fail = |message: String| Err(ConfigError::Initializer(message));
+    let finite = |name: &str, v: f64| {
+        if v.is_finite() {
+            Ok(())
+        } else {
+            fail(format!("{name} must be a finite number, got {v}"))
+        }
+    };
+    let gain = |g: f64| {
+        if g.is_finite() && g > 0.0 {
+            Ok(())
+        } else {
+            fail(format!("gain must be a finite number > 0, got {g}"))
+        }
+    };
+    match *initializer {
+        Initializer::Constant { value } => finite("value", value),
+        Initializer::Ones | Initializer::Zeros => Ok(()),
+        Initializer::Uniform { min, max } => {
+            finite("min", min)?;
+            finite("max", max)?;
+            if min < max {
+                Ok(())
+            } else {
+                fail(format!("Uniform needs min < max, got min {min}, max {max}"))
+            }
+        }
+        Initializer::Normal { mean, std } => {
+            finite("mean", mean)?;
+            if std.is_finite() && std >= 0.0 {
+                Ok(())
+            } else {
+                fail(format!("Normal needs a finite std ≥ 0, got {std}"))
+            }
+        }
+        Initializer::KaimingUniform { gain: g, .. }
+        | Initializer::KaimingNormal { gain: g, .. }
+        | Initializer::XavierUniform { gain: g }
+        | Initializer::XavierNormal { gain: g }
+        | Initializer::Orthogonal { gain: g } => gain(g),
+    }
+}
+
 fn default_initializer() -> Initializer {
     Initializer::KaimingUniform {
         gain: 1.0 / 3f64.sqrt(),
@@ -198,6 +251,24 @@ impl FeedForwardConfig {
         if self.d_ff == 0 {
             return Err(ConfigError::ZeroSize { field: "d_ff" });
         }
+        for (field, value) in [("d_model", self.d_model), ("d_ff", self.d_ff)] {
+            if value > MAX_DIM {
+                return Err(ConfigError::TooLarge {
+                    field,
+                    value: value as u128,
+                    max: MAX_DIM as u128,
+                });
+            }
+        }
+        let matrix = self.d_model as u128 * self.d_ff as u128;
+        if matrix > MAX_MATRIX as u128 {
+            return Err(ConfigError::TooLarge {
+                field: "d_model · d_ff",
+                value: matrix,
+                max: MAX_MATRIX as u128,
+            });
+        }
+        validate_initializer(&self.initializer)?;
         if !(self.dropout.is_finite() && (0.0..1.0).contains(&self.dropout)) {
             return Err(ConfigError::Dropout(self.dropout));
         }
@@ -222,11 +293,15 @@ impl FeedForwardConfig {
     /// `(2 or 3) · d_model · d_ff` weights plus `d_ff` per bias on `up` and `gate` and
     /// `d_model` for a bias on `down`.
     pub fn num_params(&self) -> usize {
-        let weights = self.num_projections() * self.d_model * self.d_ff;
-        let biases = usize::from(self.bias_up) * self.d_ff
-            + usize::from(self.bias_gate) * self.d_ff
-            + usize::from(self.bias_down) * self.d_model;
-        weights + biases
+        // Saturating, so that an unvalidated config cannot wrap (a valid one never saturates).
+        let weights = self
+            .num_projections()
+            .saturating_mul(self.d_model)
+            .saturating_mul(self.d_ff);
+        let biases = (usize::from(self.bias_up) + usize::from(self.bias_gate))
+            .saturating_mul(self.d_ff)
+            .saturating_add(usize::from(self.bias_down) * self.d_model);
+        weights.saturating_add(biases)
     }
 
     /// Forward FLOPs per token of the matrix products, counting a multiply-add as 2:
@@ -234,7 +309,10 @@ impl FeedForwardConfig {
     /// `6 · d_model · d_ff` gated. Biases, `φ`, the gating product and dropout (`O(d_ff)` each)
     /// are not counted. A training step (forward and backward) costs three times this.
     pub fn flops_per_token(&self) -> u64 {
-        2 * (self.num_projections() * self.d_model * self.d_ff) as u64
+        (self.num_projections() as u64)
+            .saturating_mul(self.d_model as u64)
+            .saturating_mul(self.d_ff as u64)
+            .saturating_mul(2)
     }
 
     /// Builds the module on `device`.

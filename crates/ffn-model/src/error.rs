@@ -12,6 +12,22 @@ pub enum ConfigError {
         /// The field's name (`d_model`, `d_ff`, `multiple_of`).
         field: &'static str,
     },
+    /// A size beyond what one machine can hold: the limits are
+    /// [`MAX_DIM`](crate::MAX_DIM) per dimension and
+    /// [`MAX_MATRIX`](crate::MAX_MATRIX) elements per weight matrix.
+    #[error("`{field}` = {value} is too large (at most {max})")]
+    TooLarge {
+        /// The field's name (`d_model`, `d_ff`, `d_model · d_ff`).
+        field: &'static str,
+        /// The value as given (saturated at `u128::MAX`).
+        value: u128,
+        /// The largest accepted value.
+        max: u128,
+    },
+    /// The initializer's parameters cannot describe a distribution (a `Uniform` with
+    /// `min ≥ max`, a negative or NaN standard deviation, a gain that is not positive …).
+    #[error("invalid `initializer`: {0}")]
+    Initializer(String),
     /// The dropout probability is not a finite number in `[0, 1)`.
     #[error("`dropout` must be a probability in [0, 1), got {0}")]
     Dropout(f64),
@@ -134,4 +150,29 @@ pub enum Error {
     /// The file's `ffn.activation` metadata names an activation this version does not know.
     #[error("metadata `ffn.activation` = `{0}` is not a known activation")]
     Metadata(String),
+}
+
+/// `text` fit for a one-line message: control characters escaped (`\n`, `\u{1b}`) and at most
+/// `max_chars` characters kept, the rest counted (`… (9999 more characters)`). Names from files
+/// and configs pass through it before they are printed.
+pub fn printable(text: &str, max_chars: usize) -> String {
+    let mut out = String::new();
+    let mut chars = text.chars();
+    for c in chars.by_ref().take(max_chars) {
+        if c.is_control() {
+            out.extend(c.escape_default());
+        } else {
+            out.push(c);
+        }
+    }
+    let rest = chars.count();
+    if rest > 0 {
+        out.push_str(&format!("… ({rest} more characters)"));
+    }
+    out
+}
+
+/// [`printable`] at 200 characters: a key or value quoted in an error.
+pub(crate) fn clip(text: &str) -> String {
+    printable(text, 200)
 }

@@ -19,7 +19,7 @@ use std::path::{Path, PathBuf};
 use burn::tensor::Device;
 use serde_json::{Map, Value};
 
-use crate::reader::{TensorFile, TensorFiles};
+use crate::reader::{self, TensorFile, TensorFiles};
 use crate::{Activation, DropoutAt, Error, FeedForward, FeedForwardConfig, Scheme};
 
 /// A Hugging Face model folder.
@@ -38,9 +38,11 @@ impl HfModel {
     pub fn open(folder: impl AsRef<Path>) -> Result<Self, Error> {
         let folder = folder.as_ref().to_path_buf();
         let config_path = folder.join("config.json");
-        let text = std::fs::read_to_string(&config_path).map_err(|source| Error::Io {
-            path: config_path.clone(),
-            source,
+        let text = reader::read_text(&config_path, reader::MAX_CONFIG_FILE).map_err(|source| {
+            Error::Io {
+                path: config_path.clone(),
+                source,
+            }
         })?;
         let config: Map<String, Value> =
             serde_json::from_str(&text).map_err(|e| Error::HfConfig {
@@ -69,10 +71,11 @@ impl HfModel {
         }
         let index = folder.join("model.safetensors.index.json");
         let files = if index.exists() {
-            let text = std::fs::read_to_string(&index).map_err(|source| Error::Io {
-                path: index.clone(),
-                source,
-            })?;
+            let text =
+                reader::read_text(&index, reader::MAX_CONFIG_FILE).map_err(|source| Error::Io {
+                    path: index.clone(),
+                    source,
+                })?;
             let value: Value = serde_json::from_str(&text).map_err(|e| Error::Corrupt {
                 path: index.clone(),
                 reason: e.to_string(),
@@ -84,7 +87,32 @@ impl HfModel {
                     path: index.clone(),
                     reason: "no `weight_map` object".into(),
                 })?;
-            let mut shards: Vec<&str> = map.values().filter_map(Value::as_str).collect();
+            let mut shards: Vec<&str> = Vec::new();
+            for (key, shard) in map {
+                let shard = shard.as_str().ok_or_else(|| Error::Corrupt {
+                    path: index.clone(),
+                    reason: format!(
+                        "`weight_map` gives `{}` a shard that is not a string",
+                        crate::error::clip(key)
+                    ),
+                })?;
+                // A shard is a plain file name inside the folder: never a path that leaves it.
+                let mut parts = Path::new(shard).components();
+                let plain = matches!(
+                    (parts.next(), parts.next()),
+                    (Some(std::path::Component::Normal(_)), None)
+                ) && !shard.contains(['/', '\\', '\0']);
+                if !plain {
+                    return Err(Error::Corrupt {
+                        path: index.clone(),
+                        reason: format!(
+                            "shard `{}` is not a plain file name in the model folder",
+                            crate::error::clip(shard)
+                        ),
+                    });
+                }
+                shards.push(shard);
+            }
             shards.sort_unstable();
             shards.dedup();
             let files = shards
@@ -131,12 +159,23 @@ impl HfModel {
         }
     }
 
+    /// A size or count: an integer in `1..=MAX_DIM`.
     fn size(&self, field: &str) -> Result<usize, Error> {
         match self.config.get(field) {
             Some(v) => v
                 .as_u64()
-                .map(|v| v as usize)
-                .ok_or_else(|| self.error(field, format!("must be a positive integer, got {v}"))),
+                .filter(|&n| (1..=crate::MAX_DIM as u64).contains(&n))
+                .map(|n| n as usize)
+                .ok_or_else(|| {
+                    self.error(
+                        field,
+                        format!(
+                            "must be an integer from 1 to {}, got {}",
+                            crate::MAX_DIM,
+                            crate::error::clip(&v.to_string())
+                        ),
+                    )
+                }),
             None => Err(self.error(field, "missing")),
         }
     }
@@ -211,7 +250,7 @@ impl HfModel {
             "gpt2" => {
                 let d_model = self.size("n_embd")?;
                 let d_ff = match self.config.get("n_inner") {
-                    None | Some(Value::Null) => 4 * d_model,
+                    None | Some(Value::Null) => d_model.saturating_mul(4),
                     Some(_) => self.size("n_inner")?,
                 };
                 let act = self.string("activation_function", "gelu_new")?;

@@ -60,11 +60,16 @@ pub fn find_ffns(files: &TensorFiles) -> Vec<FoundFfn> {
         .filter_map(|prefix| {
             let (scheme, gated) = Scheme::detect(files.keys(), &prefix).ok()?;
             let up = scheme.slot(Role::Up, gated).ok()??;
-            let shape = &files.info(&format!("{prefix}{}.weight", up.name()))?.shape;
-            let (d_model, d_ff) = match (up, shape.as_slice()) {
+            let info = files.info(&format!("{prefix}{}.weight", up.name()))?;
+            // Only weights that could load: a float dtype, and a shape that gives sizes ≥ 1
+            // (a packed `[W_gate; W_up]` has an even number of rows).
+            if !matches!(info.dtype.as_str(), "F32" | "F64" | "F16" | "BF16") {
+                return None;
+            }
+            let (d_model, d_ff) = match (up, info.shape.as_slice()) {
                 (Slot::Linear(_), [out, inp]) => (*inp, *out),
                 (Slot::Conv1d(_), [inp, out]) => (*inp, *out),
-                (Slot::Half(..), [out2, inp]) => (*inp, out2 / 2),
+                (Slot::Half(..), [out2, inp]) if out2 % 2 == 0 => (*inp, out2 / 2),
                 _ => return None,
             };
             let has_bias = |role| {
@@ -84,6 +89,7 @@ pub fn find_ffns(files: &TensorFiles) -> Vec<FoundFfn> {
                 .with_bias_up(has_bias(Role::Up))
                 .with_bias_gate(has_bias(Role::Gate))
                 .with_bias_down(has_bias(Role::Down));
+            config.validate().ok()?;
             Some(FoundFfn {
                 prefix,
                 scheme,

@@ -49,8 +49,8 @@ pub mod scheme;
 pub mod weights;
 
 pub use activation::Activation;
-pub use config::{DropoutAt, FeedForwardConfig};
-pub use error::{ConfigError, Error};
+pub use config::{DropoutAt, FeedForwardConfig, MAX_DIM, MAX_MATRIX};
+pub use error::{ConfigError, Error, printable};
 pub use hf::HfModel;
 pub use model::FeedForward;
 pub use op::Memory;

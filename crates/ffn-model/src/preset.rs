@@ -93,10 +93,12 @@ impl Variant {
     /// The hidden width at parameter parity with an ungated `d_ff = 4 · d_model`:
     /// `4 · d_model` ungated, `round(8 · d_model / 3)` gated.
     pub const fn d_ff(self, d_model: usize) -> usize {
+        // Saturating: an absurd `d_model` gives an absurd `d_ff`, which `validate` refuses,
+        // rather than a wrapped small one.
         if self.gated() {
-            (8 * d_model + 1) / 3
+            d_model.saturating_mul(8).saturating_add(1) / 3
         } else {
-            4 * d_model
+            d_model.saturating_mul(4)
         }
     }
 }
@@ -172,7 +174,10 @@ impl FeedForwardConfig {
             });
         }
         let mut config = Self::preset(variant, d_model);
-        config.d_ff = config.d_ff.div_ceil(multiple_of) * multiple_of;
+        config.d_ff = config
+            .d_ff
+            .div_ceil(multiple_of)
+            .saturating_mul(multiple_of);
         Ok(config)
     }
 

@@ -53,10 +53,80 @@ fn dtype_size(dtype: &str) -> Option<u64> {
     })
 }
 
+/// Opens `path` for reading if it is a regular file (after symbolic links): a device such as
+/// `/dev/zero` would never end, and opening a FIFO blocks until a writer comes.
+pub(crate) fn open_regular(path: &Path) -> std::io::Result<File> {
+    let metadata = std::fs::metadata(path)?;
+    if !metadata.is_file() {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            "not a regular file (a folder, device, FIFO or socket)",
+        ));
+    }
+    File::open(path)
+}
+
+/// The whole of a regular file of at most `limit` bytes (see [`open_regular`]).
+pub fn read_regular(path: &Path, limit: u64) -> std::io::Result<Vec<u8>> {
+    let file = open_regular(path)?;
+    let mut bytes = Vec::new();
+    file.take(limit.saturating_add(1)).read_to_end(&mut bytes)?;
+    if bytes.len() as u64 > limit {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("larger than the limit of {limit} bytes for this kind of file"),
+        ));
+    }
+    Ok(bytes)
+}
+
+/// The largest JSON or TOML config file read (16 MiB).
+pub const MAX_CONFIG_FILE: u64 = 16 << 20;
+
+/// A text file of at most `limit` bytes (see [`read_regular`]), which must be UTF-8.
+pub fn read_text(path: &Path, limit: u64) -> std::io::Result<String> {
+    String::from_utf8(read_regular(path, limit)?).map_err(|e| {
+        std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!(
+                "not UTF-8 (invalid byte at offset {})",
+                e.utf8_error().valid_up_to()
+            ),
+        )
+    })
+}
+
+/// The header's entries in file order, duplicates kept (a JSON object read into a map would
+/// silently keep the last of two equal keys).
+struct Entries(Vec<(String, serde_json::Value)>);
+
+impl<'de> serde::Deserialize<'de> for Entries {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Visitor;
+        impl<'de> serde::de::Visitor<'de> for Visitor {
+            type Value = Entries;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a JSON object")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> Result<Entries, A::Error> {
+                let mut entries = Vec::new();
+                while let Some(entry) = map.next_entry()? {
+                    entries.push(entry);
+                }
+                Ok(Entries(entries))
+            }
+        }
+        deserializer.deserialize_map(Visitor)
+    }
+}
+
 impl TensorFile {
     /// Opens a file and reads its header.
     pub fn open(path: &Path) -> Result<Self, Error> {
-        let file = File::open(path).map_err(|source| Error::Io {
+        let file = open_regular(path).map_err(|source| Error::Io {
             path: path.to_path_buf(),
             source,
         })?;
@@ -95,13 +165,20 @@ impl TensorFile {
         }
         let mut header = vec![0u8; n as usize];
         source.read_exact(&mut header).map_err(io)?;
-        let header: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(&header)
-            .map_err(|e| corrupt(format!("the header is not valid JSON: {e}")))?;
+        let Entries(header) = serde_json::from_slice(&header)
+            .map_err(|e| corrupt(format!("the header is not a JSON object: {e}")))?;
         let data_len = len - 8 - n;
         let mut tensors = BTreeMap::new();
         let mut metadata = HashMap::new();
+        let mut seen_metadata = false;
         for (key, value) in header {
+            // Keys as messages show them: escaped and clipped.
+            let shown = crate::error::clip(&key);
+            if tensors.contains_key(&key) || (key == "__metadata__" && seen_metadata) {
+                return Err(corrupt(format!("the header lists `{shown}` twice")));
+            }
             if key == "__metadata__" {
+                seen_metadata = true;
                 let map: HashMap<String, String> = serde_json::from_value(value)
                     .map_err(|e| corrupt(format!("bad __metadata__: {e}")))?;
                 metadata = map;
@@ -114,16 +191,20 @@ impl TensorFile {
                 data_offsets: (u64, u64),
             }
             let raw: Raw = serde_json::from_value(value)
-                .map_err(|e| corrupt(format!("bad entry for `{key}`: {e}")))?;
+                .map_err(|e| corrupt(format!("bad entry for `{shown}`: {e}")))?;
             let (begin, end) = raw.data_offsets;
             let size = dtype_size(&raw.dtype).ok_or_else(|| Error::DType {
-                key: key.clone(),
-                dtype: raw.dtype.clone(),
+                key: shown.clone(),
+                dtype: crate::error::clip(&raw.dtype),
             })?;
-            let elements: u64 = raw.shape.iter().map(|&d| d as u64).product();
-            if begin > end || end > data_len || end - begin != elements * size {
+            // Checked: a shape such as [2³², 2³², 16] must not wrap to a small size.
+            let bytes = raw
+                .shape
+                .iter()
+                .try_fold(size, |acc, &d| acc.checked_mul(d as u64));
+            if begin > end || end > data_len || Some(end - begin) != bytes {
                 return Err(corrupt(format!(
-                    "tensor `{key}` claims bytes {begin}..{end} for shape {:?} {}, but the data \
+                    "tensor `{shown}` claims bytes {begin}..{end} for shape {:?} {}, but the data \
                      section has {data_len} bytes (truncated?)",
                     raw.shape, raw.dtype
                 )));
@@ -137,6 +218,29 @@ impl TensorFile {
                     end,
                 },
             );
+        }
+        // As the `safetensors` crate checks: the tensors tile the data section exactly, in
+        // offset order, without gaps or overlaps.
+        let mut ranges: Vec<(u64, u64, &str)> = tensors
+            .iter()
+            .map(|(key, info)| (info.begin, info.end, key.as_str()))
+            .collect();
+        ranges.sort_unstable();
+        let mut at = 0;
+        for (begin, end, key) in ranges {
+            if begin != at {
+                return Err(corrupt(format!(
+                    "tensor `{}` starts at byte {begin} of the data section, expected {at} \
+                     (tensors must follow each other without gaps or overlaps)",
+                    crate::error::clip(key)
+                )));
+            }
+            at = end;
+        }
+        if at != data_len {
+            return Err(corrupt(format!(
+                "the tensors cover {at} bytes of a data section of {data_len}"
+            )));
         }
         Ok(Self {
             path,
@@ -234,7 +338,11 @@ impl TensorFiles {
                 if let Some(j) = index.insert(key.clone(), i) {
                     return Err(Error::Corrupt {
                         path: file.path().to_path_buf(),
-                        reason: format!("tensor `{key}` is also in {}", files[j].path().display()),
+                        reason: format!(
+                            "tensor `{}` is also in {}",
+                            crate::error::clip(key),
+                            files[j].path().display()
+                        ),
                     });
                 }
             }

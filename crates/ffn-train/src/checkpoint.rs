@@ -5,6 +5,8 @@
 //! - `model.bpk`: the model (burn record, parameter ids included, so the optimiser state
 //!   finds its parameters again);
 //! - `optim.bpk`: AdamW's moments and step counts;
+//! - `checksums.json`: the SHA-256 of the three others, written last and checked on loading
+//!   (a corrupt or incomplete checkpoint is passed over for the newest good one);
 //! - `state.json`: the step, the RNG state (every random stream is a function of the run's seed
 //!   and the step, so the state is the pair), the partial training-loss average of the current
 //!   logging interval, the best validation loss, and a fingerprint of the run's config.
@@ -59,9 +61,50 @@ pub fn fingerprint(text: &str) -> String {
     format!("{hash:016x}")
 }
 
+/// SHA-256 of `bytes`, as 64 hex digits.
+pub fn sha256(bytes: &[u8]) -> String {
+    use sha2::Digest;
+    sha2::Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// The files of a checkpoint, each with its SHA-256 in `checksums.json`.
+const PARTS: [&str; 3] = ["model.bpk", "optim.bpk", "state.json"];
+
+/// The checksum file, written last: a checkpoint without it is incomplete.
+const CHECKSUMS: &str = "checksums.json";
+
+/// Checks a checkpoint's files against its `checksums.json`.
+pub fn verify(checkpoint: &Path) -> Result<()> {
+    let fail = |message: String| Error::Checkpoint {
+        path: checkpoint.to_path_buf(),
+        message,
+    };
+    let path = checkpoint.join(CHECKSUMS);
+    let text = fs::read_to_string(&path)
+        .map_err(|e| fail(format!("incomplete: no readable {CHECKSUMS} ({e})")))?;
+    let sums: std::collections::BTreeMap<String, String> =
+        serde_json::from_str(&text).map_err(|e| fail(format!("corrupt {CHECKSUMS}: {e}")))?;
+    for part in PARTS {
+        let expected = sums
+            .get(part)
+            .ok_or_else(|| fail(format!("{CHECKSUMS} has no entry for {part}")))?;
+        let file = checkpoint.join(part);
+        let bytes = fs::read(&file).map_err(|e| fail(format!("{part}: {e}")))?;
+        if &sha256(&bytes) != expected {
+            return Err(fail(format!(
+                "{part} is corrupt: its SHA-256 differs from the one recorded when it was written"
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// The checkpoint folder of a run.
 pub fn folder(run: &Path) -> PathBuf {
-    run.join("checkpoints")
+    run.join(crate::run::CHECKPOINTS)
 }
 
 /// Complete checkpoints of a run, oldest first.
@@ -118,7 +161,16 @@ pub fn save(
     let state_path = tmp.join("state.json");
     let json = serde_json::to_string_pretty(state).expect("state serialises");
     fs::write(&state_path, json).map_err(Error::io(&state_path))?;
-    for file in [&model_path, &optim_path, &state_path] {
+    let mut sums = std::collections::BTreeMap::new();
+    for part in PARTS {
+        let file = tmp.join(part);
+        let bytes = fs::read(&file).map_err(Error::io(&file))?;
+        sums.insert(part, sha256(&bytes));
+    }
+    let sums_path = tmp.join(CHECKSUMS);
+    let json = serde_json::to_string_pretty(&sums).expect("checksums serialise");
+    fs::write(&sums_path, json).map_err(Error::io(&sums_path))?;
+    for file in [&model_path, &optim_path, &state_path, &sums_path] {
         fs::File::open(file)
             .and_then(|f| f.sync_all())
             .map_err(Error::io(file))?;
@@ -168,17 +220,25 @@ fn part(checkpoint: &Path, name: &str) -> Result<PathBuf> {
 /// Loads a checkpoint's model into `model` (built from the run's config).
 pub fn load_model(checkpoint: &Path, model: Model) -> Result<Model> {
     let path = part(checkpoint, "model.bpk")?;
-    model.try_load_file(&path).map_err(|e| Error::Checkpoint {
-        path,
-        message: format!("cannot load the model (corrupt, or from another model): {e}"),
-    })
+    // Read whole, now: a record loaded from the file reads it lazily, and the file may be
+    // rotated away (keep_checkpoints) or damaged before the last tensor is used.
+    let bytes = fs::read(&path).map_err(Error::io(&path))?;
+    burn::store::ModuleRecord::from_bytes(burn::tensor::Bytes::from_bytes_vec(bytes))
+        .and_then(|record| model.try_load_record(record))
+        .map_err(|e| Error::Checkpoint {
+            path,
+            message: format!("cannot load the model (corrupt, or from another model): {e}"),
+        })
 }
 
 /// Loads a checkpoint's optimiser state into `optim`.
 pub fn load_optim(checkpoint: &Path, optim: ModuleOptimizer) -> Result<ModuleOptimizer> {
     let path = part(checkpoint, "optim.bpk")?;
-    optim.load(&path).map_err(|e| Error::Checkpoint {
-        path,
-        message: format!("cannot load the optimiser state: {e}"),
-    })
+    let bytes = fs::read(&path).map_err(Error::io(&path))?;
+    optim
+        .from_bytes(burn::tensor::Bytes::from_bytes_vec(bytes))
+        .map_err(|e| Error::Checkpoint {
+            path,
+            message: format!("cannot load the optimiser state: {e}"),
+        })
 }

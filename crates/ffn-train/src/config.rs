@@ -312,7 +312,7 @@ impl FfnSpec {
         };
         let mut config = match self.preset {
             Some(variant) => FeedForwardConfig::preset(variant, d_model),
-            None => FeedForwardConfig::new(d_model, 4 * d_model),
+            None => FeedForwardConfig::new(d_model, d_model.saturating_mul(4)),
         };
         match (self.d_ff, self.multiple_of) {
             (Some(_), Some(_)) => {
@@ -326,7 +326,9 @@ impl FfnSpec {
                     field: "multiple_of",
                 }));
             }
-            (None, Some(multiple)) => config.d_ff = config.d_ff.div_ceil(multiple) * multiple,
+            (None, Some(multiple)) => {
+                config.d_ff = config.d_ff.div_ceil(multiple).saturating_mul(multiple);
+            }
             (None, None) => {}
         }
         if let Some(activation) = self.activation {
@@ -435,7 +437,8 @@ impl Default for TrainSettings {
 impl TrainConfig {
     /// Reads a TOML config file and applies `--set key=value` overrides.
     pub fn load(path: &Path, overrides: &[String]) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(Error::io(path))?;
+        let text = ffn_model::reader::read_text(path, ffn_model::reader::MAX_CONFIG_FILE)
+            .map_err(Error::io(path))?;
         Self::from_toml(&text, overrides)
             .map_err(|e| Error::Config(format!("{}: {e}", path.display())))
     }
@@ -481,7 +484,20 @@ impl TrainConfig {
     /// Checks every value and the pairing of task and model.
     pub fn validate(&self) -> Result<()> {
         let fail = |message: String| Err(Error::Config(message));
+        // Sizes: at least 1 and at most MAX_SIZE (the memory estimate decides combinations).
         let positive = |name: &str, value: usize| {
+            if value == 0 {
+                fail(format!("{name} must be at least 1"))
+            } else if value > MAX_SIZE {
+                fail(format!(
+                    "{name} = {value} is too large (at most {MAX_SIZE})"
+                ))
+            } else {
+                Ok(())
+            }
+        };
+        // Counts of steps: no memory depends on them.
+        let count = |name: &str, value: usize| {
             if value == 0 {
                 fail(format!("{name} must be at least 1"))
             } else {
@@ -505,7 +521,7 @@ impl TrainConfig {
                     ));
                 }
                 positive("task.order", m.order)?;
-                if (m.vocab_size as f64).powi(m.order as i32) > (1u64 << 20) as f64 {
+                if markov_contexts(m.vocab_size, m.order).is_none() {
                     return fail(format!(
                         "task.vocab_size^task.order = {}^{} contexts is too many (at most 2^20)",
                         m.vocab_size, m.order
@@ -553,6 +569,9 @@ impl TrainConfig {
                 if !(s.noise.is_finite() && s.noise >= 0.0) {
                     return fail(format!("task.noise must be ≥ 0, got {}", s.noise));
                 }
+                if !(s.frequency.is_finite() && s.frequency >= 0.0) {
+                    return fail(format!("task.frequency must be ≥ 0, got {}", s.frequency));
+                }
                 false
             }
         };
@@ -592,13 +611,13 @@ impl TrainConfig {
         }
 
         let t = &self.train;
-        positive("train.steps", t.steps)?;
+        count("train.steps", t.steps)?;
         positive("train.batch_size", t.batch_size)?;
-        positive("train.eval_every", t.eval_every)?;
+        count("train.eval_every", t.eval_every)?;
         positive("train.eval_batches", t.eval_batches)?;
-        positive("train.log_every", t.log_every)?;
-        positive("train.checkpoint_every", t.checkpoint_every)?;
-        positive("train.keep_checkpoints", t.keep_checkpoints)?;
+        count("train.log_every", t.log_every)?;
+        count("train.checkpoint_every", t.checkpoint_every)?;
+        count("train.keep_checkpoints", t.keep_checkpoints)?;
         if !(t.lr.is_finite() && t.lr > 0.0) {
             return fail(format!("train.lr must be > 0, got {}", t.lr));
         }
@@ -619,7 +638,159 @@ impl TrainConfig {
         if !(t.grad_clip.is_finite() && t.grad_clip >= 0.0) {
             return fail(format!("train.grad_clip must be ≥ 0, got {}", t.grad_clip));
         }
+        if t.shards > MAX_SIZE {
+            return fail(format!(
+                "train.shards = {} is too large (at most {MAX_SIZE})",
+                t.shards
+            ));
+        }
         Ok(())
+    }
+
+    /// An estimate, in bytes, of the memory training this config takes: the parameters with
+    /// their gradients and AdamW's two moments (4 copies), one step's activations, the
+    /// validation batches and the Markov source's tables. It errs high for small models (each
+    /// layer's activations counted generously) and is meant to refuse configs that cannot fit,
+    /// not to plan to the byte. Saturating: it cannot overflow, whatever the config.
+    pub fn memory_estimate(&self) -> u128 {
+        self.memory_estimate_with(self.train.eval_batches)
+    }
+
+    /// [`memory_estimate`](Self::memory_estimate) with `eval_batches` validation batches.
+    pub fn memory_estimate_with(&self, eval_batches: usize) -> u128 {
+        let n = |v: usize| v as u128;
+        let (d_ff, ffn_params) = self
+            .ffn()
+            .map_or((0, 0), |f| (n(f.d_ff), n(f.num_params())));
+        let t = &self.train;
+        let batch = n(t.batch_size);
+        let (vocab, seq_len, source) = match &self.task {
+            TaskConfig::Markov(m) => {
+                let contexts = markov_contexts(m.vocab_size, m.order).map_or(u128::MAX, n);
+                // probs, cdf (f64 per context and symbol), π and its cdf.
+                let tables = contexts.saturating_mul(n(m.vocab_size) * 16 + 16);
+                (n(m.vocab_size), n(m.seq_len), tables)
+            }
+            // Up to 256 bytes or distinct characters (the corpus itself is checked on loading).
+            TaskConfig::Text(x) => (256, n(x.seq_len), 0),
+            TaskConfig::Teacher(_) | TaskConfig::Sine(_) => (0, 1, 0),
+        };
+        // (parameters, f32 values kept per example of a step, f32 per validation example)
+        let (params, per_example, per_valid) = match &self.model {
+            ModelConfig::Transformer(m) => {
+                let d = n(m.d_model);
+                let layer = d
+                    .saturating_mul(d)
+                    .saturating_mul(4)
+                    .saturating_add(ffn_params)
+                    .saturating_add(d.saturating_mul(8));
+                let params = n(m.n_layers)
+                    .saturating_mul(layer)
+                    .saturating_add(vocab.saturating_mul(d).saturating_mul(2))
+                    .saturating_add(seq_len.saturating_mul(d));
+                // Per token and layer: the block's d_model-wide tensors, the FFN's d_ff-wide
+                // ones, and a row of attention scores per head; the logits on top.
+                let per_token = n(m.n_layers)
+                    .saturating_mul(
+                        d.saturating_mul(20)
+                            .saturating_add(d_ff.saturating_mul(4))
+                            .saturating_add(n(m.n_heads).saturating_mul(seq_len).saturating_mul(2)),
+                    )
+                    .saturating_add(vocab.saturating_mul(4));
+                (params, per_token.saturating_mul(seq_len), seq_len + 1)
+            }
+            ModelConfig::Window(m) => {
+                let d = n(m.d_model);
+                let embed = n(m.window).saturating_mul(n(m.d_embed));
+                let params = vocab
+                    .saturating_mul(n(m.d_embed))
+                    .saturating_add(embed.saturating_mul(d))
+                    .saturating_add(ffn_params)
+                    .saturating_add(d.saturating_mul(vocab));
+                let per_token = embed
+                    .saturating_add(d.saturating_mul(4))
+                    .saturating_add(d_ff.saturating_mul(4))
+                    .saturating_add(vocab.saturating_mul(4));
+                (params, per_token.saturating_mul(seq_len), seq_len + 1)
+            }
+            ModelConfig::Ffn(m) => {
+                let d = n(m.d_model);
+                let teacher = match &self.task {
+                    TaskConfig::Teacher(x) => x
+                        .teacher
+                        .as_ref()
+                        .and_then(|spec| spec.resolve(m.d_model, "task.teacher").ok())
+                        .map_or(ffn_params, |f| n(f.num_params())),
+                    _ => d.saturating_mul(d),
+                };
+                let per_example = d.saturating_mul(6).saturating_add(d_ff.saturating_mul(4));
+                (
+                    ffn_params.saturating_add(teacher),
+                    per_example,
+                    d.saturating_mul(2),
+                )
+            }
+        };
+        let f32s = params
+            .saturating_mul(4)
+            .saturating_add(batch.saturating_mul(per_example))
+            .saturating_add(
+                n(eval_batches)
+                    .saturating_mul(batch)
+                    .saturating_mul(per_valid),
+            );
+        f32s.saturating_mul(4).saturating_add(source)
+    }
+
+    /// Refuses a config whose [`memory_estimate_with`](Self::memory_estimate_with) exceeds
+    /// the memory this machine has available (Linux's `MemAvailable`; elsewhere no check).
+    pub fn check_memory(&self, eval_batches: usize) -> Result<()> {
+        let need = self.memory_estimate_with(eval_batches);
+        match available_memory() {
+            Some(available) if need > u128::from(available) => Err(Error::Config(format!(
+                "this config needs about {} of memory (estimate: parameters, gradients, \
+                 optimiser state, one step's activations, validation data), more than the {} \
+                 available; reduce the model, train.batch_size, the sequence length or \
+                 train.eval_batches",
+                bytes(need),
+                bytes(u128::from(available))
+            ))),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// The largest size or count a config accepts for a dimension, a batch or a sequence
+/// (2²⁴); the memory estimate then judges the whole.
+pub const MAX_SIZE: usize = ffn_model::MAX_DIM;
+
+/// `vocab_size^order`, the Markov source's contexts, when at most 2²⁰.
+pub(crate) fn markov_contexts(vocab_size: usize, order: usize) -> Option<usize> {
+    let contexts = vocab_size.checked_pow(u32::try_from(order).ok()?)?;
+    (contexts <= 1 << 20).then_some(contexts)
+}
+
+/// Memory available to a new process, in bytes (`MemAvailable` of `/proc/meminfo`).
+fn available_memory() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
+}
+
+/// Bytes as a person reads them: `3.2 GiB`.
+pub(crate) fn bytes(b: u128) -> String {
+    let units = ["B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
+    let mut value = b as f64;
+    let mut unit = 0;
+    while value >= 1024.0 && unit + 1 < units.len() {
+        value /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 {
+        format!("{b} B")
+    } else {
+        format!("{value:.1} {}", units[unit])
     }
 }
 

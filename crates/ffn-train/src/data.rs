@@ -47,7 +47,14 @@ pub struct MarkovSource {
     /// `π(c)`.
     stationary: Vec<f64>,
     stationary_cdf: Vec<f64>,
+    /// `Σ |πP − π|` at the last power iteration: below 10⁻¹⁵ when it converged.
+    residual: f64,
 }
+
+/// The work the power iteration for `π` may do, in multiply-adds (a few seconds): a nearly
+/// reducible chain (tiny `smoothing`, small `support`) mixes too slowly to converge, and its
+/// optimum is then reported as approximate rather than computed for hours.
+const POWER_ITERATION_WORK: usize = 1 << 31;
 
 fn entropy(p: impl IntoIterator<Item = f64>) -> f64 {
     p.into_iter()
@@ -95,9 +102,21 @@ impl MarkovSource {
         }
         let cdf = probs.chunks(v).flat_map(cumulative).collect();
 
-        // π by power iteration on the context chain.
+        // π by power iteration on the context chain, within a bounded amount of work.
         let mut stationary = vec![1.0 / contexts as f64; contexts];
-        for _ in 0..100_000 {
+        let iterations = (POWER_ITERATION_WORK / (contexts * v)).clamp(64, 100_000);
+        let start = std::time::Instant::now();
+        let mut shown = 0;
+        let mut residual = f64::INFINITY;
+        for i in 0..iterations {
+            let seconds = start.elapsed().as_secs();
+            if seconds > shown {
+                shown = seconds;
+                eprint!(
+                    "\rcomputing the Markov source's stationary distribution: iteration {i} of at \
+                     most {iterations}"
+                );
+            }
             let mut next = vec![0.0; contexts];
             for c in 0..contexts {
                 for s in 0..v {
@@ -110,9 +129,13 @@ impl MarkovSource {
                 .map(|(a, b)| (a - b).abs())
                 .sum();
             stationary = next;
+            residual = change;
             if change < 1e-15 {
                 break;
             }
+        }
+        if shown > 0 {
+            eprintln!();
         }
         let stationary_cdf = cumulative(&stationary);
         Self {
@@ -122,7 +145,19 @@ impl MarkovSource {
             cdf,
             stationary,
             stationary_cdf,
+            residual,
         }
+    }
+
+    /// Whether the stationary distribution `π` converged (to `Σ |πP − π| < 10⁻¹⁵`); when not,
+    /// [`optimal_loss`](Self::optimal_loss) and the entropies are approximate.
+    pub fn converged(&self) -> bool {
+        self.residual < 1e-15
+    }
+
+    /// `Σ |πP − π|` after the last power iteration.
+    pub fn residual(&self) -> f64 {
+        self.residual
     }
 
     /// The number of symbols.
@@ -244,10 +279,31 @@ impl Vocab {
                 String::from_utf8_lossy(&tokens.iter().map(|&t| t as u8).collect::<Vec<_>>())
                     .into_owned()
             }
-            Vocab::Chars { chars } => tokens.iter().map(|&t| chars[t as usize]).collect(),
+            Vocab::Chars { chars } => tokens
+                .iter()
+                .map(|&t| chars.get(t as usize).copied().unwrap_or('\u{fffd}'))
+                .collect(),
         }
     }
+
+    /// [`decode`](Self::decode), or `None` while `tokens` end inside a UTF-8 character that
+    /// more bytes could complete (for streaming a byte model's output).
+    pub fn decode_complete(&self, tokens: &[u32]) -> Option<String> {
+        if let Vocab::Bytes = self {
+            let bytes: Vec<u8> = tokens.iter().map(|&t| t as u8).collect();
+            if let Err(e) = std::str::from_utf8(&bytes)
+                && e.error_len().is_none()
+                && bytes.len() < 4
+            {
+                return None;
+            }
+        }
+        Some(self.decode(tokens))
+    }
 }
+
+/// The largest text file a run trains on (256 MiB: its tokens take 4× that in memory).
+pub const MAX_TEXT: u64 = 256 << 20;
 
 /// A text file, tokenised and split: the first `1 − valid_fraction` for training, the rest for
 /// validation.
@@ -262,7 +318,7 @@ impl TextCorpus {
     /// Reads and splits the file.
     pub fn load(config: &TextConfig) -> Result<Self> {
         let path = &config.path;
-        let bytes = std::fs::read(path).map_err(Error::io(path))?;
+        let bytes = ffn_model::reader::read_regular(path, MAX_TEXT).map_err(Error::io(path))?;
         let data_error = |message: String| Error::Data {
             path: path.clone(),
             message,
@@ -491,6 +547,23 @@ impl Task {
             } => Some(m.optimal_loss(*seq_len)),
             Task::Language { .. } => None,
             Task::Regression(r) => Some(r.noise * r.noise),
+        }
+    }
+
+    /// Why [`optimal_loss`](Self::optimal_loss) is only approximate, when it is: a Markov
+    /// source whose stationary distribution did not converge within the bounded work.
+    pub fn warning(&self) -> Option<String> {
+        match self {
+            Task::Language {
+                source: Language::Markov(m),
+                ..
+            } if !m.converged() => Some(format!(
+                "the Markov source mixes too slowly for its stationary distribution to converge \
+                 (residual {:.1e} after the bounded power iteration): the optimum and gap are \
+                 approximate; a larger task.smoothing or task.support mixes faster",
+                m.residual()
+            )),
+            _ => None,
         }
     }
 

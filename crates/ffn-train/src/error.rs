@@ -56,6 +56,33 @@ pub enum Error {
         /// The newest checkpoint written before, kept as it was.
         last_good: Option<PathBuf>,
     },
+    /// Another process holds the run folder's lock (it is training or resuming that run).
+    #[error(
+        "the run folder {} is in use by another ffn-train process (it holds {}/.lock); wait for it to end or choose another --run",
+        path.display(),
+        path.display()
+    )]
+    Locked {
+        /// The run folder.
+        path: PathBuf,
+    },
+    /// Training stopped on SIGINT or SIGTERM after writing a checkpoint.
+    #[error(
+        "interrupted at step {step}; checkpoint {} written; continue with `ffn-train resume {}`",
+        checkpoint.display(),
+        run.display()
+    )]
+    Interrupted {
+        /// The step completed.
+        step: usize,
+        /// The checkpoint written.
+        checkpoint: PathBuf,
+        /// The run folder.
+        run: PathBuf,
+    },
+    /// An error of `ffn-model` (weights, configs, Hugging Face folders).
+    #[error(transparent)]
+    Model(#[from] ffn_model::Error),
     /// A device that is not compiled in, or cannot start.
     #[error("{0}")]
     Device(String),

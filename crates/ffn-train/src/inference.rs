@@ -10,7 +10,7 @@ use burn::tensor::{Device, Int, Tensor, TensorData};
 use crate::data::Vocab;
 use crate::model::Model;
 use crate::rng::Rng;
-use crate::training::{evaluate, load_latest};
+use crate::training::{evaluate, load_latest_good};
 use crate::{Error, Result};
 
 /// The validation loss of a trained run.
@@ -24,6 +24,9 @@ pub struct Evaluation {
     pub optimal_loss: Option<f64>,
     /// The checkpoint evaluated.
     pub checkpoint: PathBuf,
+    /// What the user should know: newer checkpoints passed over (corrupt or incomplete), an
+    /// approximate optimum.
+    pub warnings: Vec<String>,
 }
 
 /// Evaluates the newest checkpoint of `run` on `batches` validation batches.
@@ -31,8 +34,10 @@ pub fn evaluate_run(run: &Path, device: &Device, batches: usize) -> Result<Evalu
     if batches == 0 {
         return Err(Error::Config("--batches must be at least 1".into()));
     }
-    let (loaded, state, checkpoint) = load_latest(run, device)?;
+    let (loaded, state, checkpoint, mut warnings) = load_latest_good(run, device, false)?;
+    warnings.extend(loaded.task.warning());
     let config = &loaded.config;
+    config.check_memory(batches)?;
     let eval_device = device.clone().inner();
     let valid =
         loaded
@@ -43,6 +48,7 @@ pub fn evaluate_run(run: &Path, device: &Device, batches: usize) -> Result<Evalu
         loss: evaluate(&loaded.model, &valid),
         optimal_loss: loaded.task.optimal_loss(),
         checkpoint,
+        warnings,
     })
 }
 
@@ -61,8 +67,24 @@ pub struct SampleOptions {
     pub seed: u64,
 }
 
-/// Continues `options.prompt` with the newest checkpoint of a language-model run.
-pub fn sample(run: &Path, device: &Device, options: &SampleOptions) -> Result<String> {
+/// The most tokens one `sample` call generates.
+pub const MAX_SAMPLE_TOKENS: usize = 1_000_000;
+
+/// Continues `options.prompt` with the newest checkpoint of a language-model run, handing the
+/// text to `out` as it is generated (a token at a time; for a byte vocabulary, as soon as the
+/// bytes so far form whole UTF-8 characters). Returns the warnings of loading the run.
+pub fn sample(
+    run: &Path,
+    device: &Device,
+    options: &SampleOptions,
+    mut out: impl FnMut(&str),
+) -> Result<Vec<String>> {
+    if options.tokens > MAX_SAMPLE_TOKENS {
+        return Err(Error::Config(format!(
+            "--tokens must be at most {MAX_SAMPLE_TOKENS}, got {}",
+            options.tokens
+        )));
+    }
     if !(options.temperature.is_finite() && options.temperature >= 0.0) {
         return Err(Error::Config(format!(
             "--temperature must be ≥ 0, got {}",
@@ -72,20 +94,39 @@ pub fn sample(run: &Path, device: &Device, options: &SampleOptions) -> Result<St
     if options.top_k == Some(0) {
         return Err(Error::Config("--top-k must be at least 1".into()));
     }
-    let (loaded, _, _) = load_latest(run, device)?;
+    let (loaded, _, _, warnings) = load_latest_good(run, device, false)?;
     let vocab: Vocab = loaded.task.vocab().ok_or_else(|| {
         Error::Config("`sample` needs a language-model run; this one is a regression".into())
     })?;
+    // The run's own tokeniser, as written when it started.
+    let path = run.join(crate::run::VOCAB);
+    let text = std::fs::read_to_string(&path).map_err(Error::io(&path))?;
+    let recorded: Vocab = serde_json::from_str(&text).map_err(|e| Error::Checkpoint {
+        path: path.clone(),
+        message: format!("corrupt: {e}"),
+    })?;
+    if recorded != vocab {
+        return Err(Error::Checkpoint {
+            path,
+            message: "the run's vocabulary differs from its task's; the run folder was edited"
+                .into(),
+        });
+    }
     let mut tokens = vocab.encode(&options.prompt).map_err(Error::Config)?;
     if tokens.is_empty() {
         tokens.push(0);
     }
-    let prompt_len = tokens.len();
     let model: Model = loaded.model.valid();
     let max_context = model.max_context().unwrap_or(usize::MAX);
     let device = device.clone().inner();
     let mut rng = Rng::stream(options.seed, "sample", 0);
+    // Tokens generated but not yet handed out (an incomplete UTF-8 sequence).
+    let mut pending: Vec<u32> = Vec::new();
     for _ in 0..options.tokens {
+        // Only the model's context is kept.
+        if tokens.len() > max_context.saturating_mul(2).max(4096) {
+            tokens.drain(..tokens.len() - max_context.min(tokens.len()));
+        }
         let context = &tokens[tokens.len().saturating_sub(max_context)..];
         let input: Vec<i64> = context.iter().map(|&t| i64::from(t)).collect();
         let input =
@@ -97,9 +138,18 @@ pub fn sample(run: &Path, device: &Device, options: &SampleOptions) -> Result<St
             .into_data()
             .iter::<f64>()
             .collect();
-        tokens.push(pick(&last, options, &mut rng) as u32);
+        let token = pick(&last, options, &mut rng) as u32;
+        tokens.push(token);
+        pending.push(token);
+        if let Some(text) = vocab.decode_complete(&pending) {
+            out(&text);
+            pending.clear();
+        }
     }
-    Ok(vocab.decode(&tokens[prompt_len..]))
+    if !pending.is_empty() {
+        out(&vocab.decode(&pending));
+    }
+    Ok(warnings)
 }
 
 /// Draws a token from logits with temperature and top-k.

@@ -25,6 +25,7 @@ pub mod metrics;
 pub mod model;
 pub mod plot;
 pub mod rng;
+pub mod run;
 pub mod training;
 
 pub use config::TrainConfig;

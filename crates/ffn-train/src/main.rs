@@ -102,44 +102,85 @@ enum Level {
     Char,
 }
 
+/// Exit status of a run stopped by SIGINT or SIGTERM (after its checkpoint), as shells use.
+const EXIT_INTERRUPTED: u8 = 130;
+
+/// The most characters of an error line (a 10 MB string in a config is not echoed whole).
+const MAX_ERROR_CHARS: usize = 2000;
+
+#[cfg(unix)]
+extern "C" fn on_stop_signal(_: libc::c_int) {
+    if ffn_train::training::stop_requested() {
+        // A second signal: stop now (the newest checkpoint is complete, as always).
+        // SAFETY: _exit is async-signal-safe.
+        unsafe { libc::_exit(i32::from(EXIT_INTERRUPTED)) }
+    }
+    ffn_train::training::request_stop();
+}
+
 fn main() -> ExitCode {
-    // Like other command-line tools, end quietly when the reader of stdout goes away
-    // (`ffn-train inspect … | head`) instead of panicking on the failed write.
     #[cfg(unix)]
-    // SAFETY: restoring the default disposition of SIGPIPE before any thread is started.
+    // SAFETY: setting signal dispositions before any thread is started; the handler only
+    // stores an atomic flag (or calls _exit).
     unsafe {
+        // Like other command-line tools, end quietly when the reader of stdout goes away
+        // (`ffn-train inspect … | head`) instead of panicking on the failed write.
         libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+        // A file-size limit (ulimit -f) then gives a clean write error, not a silent death.
+        libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
     }
     ffn_train::training::keep_freed_memory();
-    match run(Cli::parse()) {
+    let cli = Cli::parse();
+    // A panic (a bug, or a check that is missing) still ends in one `error:` line and status 1.
+    if std::env::var_os("RUST_BACKTRACE").is_none() {
+        std::panic::set_hook(Box::new(|_| {}));
+    }
+    let result = std::panic::catch_unwind(|| run(cli)).unwrap_or_else(|payload| {
+        let what = payload
+            .downcast_ref::<String>()
+            .map(String::as_str)
+            .or_else(|| payload.downcast_ref::<&str>().copied())
+            .unwrap_or("a panic");
+        Err(ffn_train::Error::Config(format!(
+            "internal error: {what} (a bug: please report it with the command that caused it)"
+        )))
+    });
+    match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
-            // One line, whatever the message.
+            // One line, whatever the message: control characters escaped, length bounded.
             let message = err.to_string();
             let message: Vec<&str> = message
                 .lines()
                 .map(str::trim)
                 .filter(|l| !l.is_empty())
                 .collect();
-            eprintln!("error: {}", message.join(" "));
-            ExitCode::FAILURE
+            let line = ffn_model::printable(&message.join(" "), MAX_ERROR_CHARS);
+            eprintln!("error: {line}");
+            match err {
+                ffn_train::Error::Interrupted { .. } => ExitCode::from(EXIT_INTERRUPTED),
+                _ => ExitCode::FAILURE,
+            }
         }
     }
 }
 
-/// `runs/<name>`, or `runs/<name>-2`, `-3`, … if taken.
-fn fresh_run_folder(name: &str) -> PathBuf {
-    let base = Path::new("runs").join(name);
-    (1..)
-        .map(|i| match i {
-            1 => base.clone(),
-            i => PathBuf::from(format!("{}-{i}", base.display())),
-        })
-        .find(|p| !p.exists())
-        .expect("some suffix is free")
+/// SIGINT and SIGTERM stop training cleanly: the step ends, a checkpoint is written, and the
+/// command exits with status 130 (a second signal exits at once).
+fn stop_cleanly_on_signals() {
+    #[cfg(unix)]
+    // SAFETY: the handler only stores an atomic flag or calls _exit, both async-signal-safe.
+    unsafe {
+        let handler = on_stop_signal as extern "C" fn(libc::c_int) as libc::sighandler_t;
+        libc::signal(libc::SIGINT, handler);
+        libc::signal(libc::SIGTERM, handler);
+    }
 }
 
 fn run(cli: Cli) -> Result<()> {
+    if matches!(cli.command, Command::Train { .. } | Command::Resume { .. }) {
+        stop_cleanly_on_signals();
+    }
     match cli.command {
         Command::Train {
             config,
@@ -177,9 +218,12 @@ fn run(cli: Cli) -> Result<()> {
             } else {
                 name
             };
-            let folder = run.unwrap_or_else(|| fresh_run_folder(&name));
             let device = backend::device(device.as_deref())?;
-            let trainer = Trainer::start(config, &folder, &device)?;
+            // `runs/<name>`, or `runs/<name>-2`, `-3`, … if taken.
+            let trainer = match &run {
+                Some(folder) => Trainer::start(config, folder, &device)?,
+                None => Trainer::start_numbered(config, &Path::new("runs").join(name), &device)?,
+            };
             announce(&trainer, &device, "training");
             let folder = trainer.folder().to_path_buf();
             let progress = Progress::auto(trainer.config().train.steps);
@@ -203,6 +247,9 @@ fn run(cli: Cli) -> Result<()> {
         } => {
             let device = backend::device(device.as_deref())?;
             let e = inference::evaluate_run(&run, &device, batches)?;
+            for warning in &e.warnings {
+                eprintln!("warning: {warning}");
+            }
             print!(
                 "{}: step {}, validation loss {:.4} over {batches} batches",
                 e.checkpoint.display(),
@@ -233,8 +280,31 @@ fn run(cli: Cli) -> Result<()> {
                 top_k,
                 seed,
             };
-            let text = inference::sample(&run, &device, &options)?;
-            println!("{prompt}{text}");
+            use std::io::Write;
+            let mut stdout = std::io::stdout().lock();
+            let mut written = Ok(());
+            let mut started = false;
+            let warnings = inference::sample(&run, &device, &options, |text| {
+                if !started {
+                    started = true;
+                    written = write!(stdout, "{prompt}");
+                }
+                if written.is_ok() {
+                    written = write!(stdout, "{text}").and_then(|()| stdout.flush());
+                }
+            })?;
+            if !started {
+                written = write!(stdout, "{prompt}");
+            }
+            written
+                .and_then(|()| writeln!(stdout))
+                .map_err(|e| ffn_train::Error::Io {
+                    path: "<stdout>".into(),
+                    source: e,
+                })?;
+            for warning in warnings {
+                eprintln!("warning: {warning}");
+            }
             Ok(())
         }
     }
@@ -242,17 +312,16 @@ fn run(cli: Cli) -> Result<()> {
 
 fn inspect(path: &Path, all: bool) -> Result<()> {
     use ffn_model::reader::{TensorFile, TensorFiles};
-    let model_error = |e: ffn_model::Error| ffn_train::Error::Config(e.to_string());
     let files = if path.is_dir() {
-        let model = ffn_model::HfModel::open(path).map_err(model_error)?;
-        let layers = model.num_layers().map_err(model_error)?;
+        let model = ffn_model::HfModel::open(path)?;
+        let layers = model.num_layers()?;
         println!(
             "{}: Hugging Face `{}` model, {layers} layers, FFN scheme `{}`",
             path.display(),
             model.model_type(),
             model.scheme()
         );
-        let config = model.ffn_config().map_err(model_error)?;
+        let config = model.ffn_config()?;
         println!(
             "FFN config (from config.json), every layer:\n{}",
             config.to_toml()
@@ -260,18 +329,29 @@ fn inspect(path: &Path, all: bool) -> Result<()> {
         for layer in 0..layers {
             println!(
                 "layer {layer}: prefix `{}`",
-                model.layer_prefix(layer).map_err(model_error)?
+                ffn_model::printable(&model.layer_prefix(layer)?, 200)
             );
         }
         model.tensors()
     } else {
-        let file = TensorFile::open(path).map_err(model_error)?;
+        let file = TensorFile::open(path)?;
         let mut metadata: Vec<_> = file.metadata().iter().collect();
         metadata.sort();
+        let metadata: Vec<String> = metadata
+            .iter()
+            .map(|(k, v)| {
+                format!(
+                    "{}: {}",
+                    ffn_model::printable(k, 200),
+                    ffn_model::printable(v, 200)
+                )
+            })
+            .collect();
         println!(
-            "{}: safetensors file, {} tensors, metadata {metadata:?}",
+            "{}: safetensors file, {} tensors, metadata {{{}}}",
             path.display(),
-            file.tensors().len()
+            file.tensors().len(),
+            metadata.join(", ")
         );
         let files = TensorFiles::single(file);
         let found = ffn_model::inspect::find_ffns(&files);
@@ -280,7 +360,7 @@ fn inspect(path: &Path, all: bool) -> Result<()> {
             let c = &f.config;
             println!(
                 "  `{}`: {} scheme, {}, d_model {}, d_ff {}, biases up/gate/down {}/{}/{}, activation {} ({})",
-                f.prefix,
+                ffn_model::printable(&f.prefix, 200),
                 f.scheme,
                 if c.gated { "gated" } else { "ungated" },
                 c.d_model,
@@ -299,7 +379,7 @@ fn inspect(path: &Path, all: bool) -> Result<()> {
         if let Some(first) = found.first() {
             println!(
                 "FeedForwardConfig of `{}`:\n{}",
-                first.prefix,
+                ffn_model::printable(&first.prefix, 200),
                 first.config.to_toml()
             );
         }
@@ -312,6 +392,11 @@ fn inspect(path: &Path, all: bool) -> Result<()> {
     };
     println!("tensors ({}):", files.len());
     for (key, dtype, shape) in &files[..shown] {
+        // Names from the file: control characters escaped, length bounded.
+        let (key, dtype) = (
+            ffn_model::printable(key, 200),
+            ffn_model::printable(dtype, 20),
+        );
         println!("  {key:<60} {dtype:<5} {shape:?}");
     }
     if shown < files.len() {
@@ -321,6 +406,9 @@ fn inspect(path: &Path, all: bool) -> Result<()> {
 }
 
 fn announce(trainer: &Trainer, device: &burn::tensor::Device, what: &str) {
+    for warning in trainer.warnings() {
+        eprintln!("warning: {warning}");
+    }
     let config = trainer.config();
     println!("{what}: {}", describe(config));
     println!(

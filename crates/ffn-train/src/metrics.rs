@@ -6,7 +6,7 @@
 //! each evaluation.
 
 use std::fs::{self, File, OpenOptions};
-use std::io::{BufRead, BufReader, IsTerminal, Write};
+use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -56,21 +56,20 @@ impl Metrics {
     /// steps: what a resumed run will write again is dropped, and so is a line cut short by a
     /// killed process.
     pub fn open(run: &Path, keep_until: usize) -> Result<Self> {
-        let jsonl_path = run.join("metrics.jsonl");
-        let csv_path = run.join("metrics.csv");
-        let kept: Vec<Record> = read_records(&jsonl_path)?
-            .into_iter()
-            .filter(|r| r.step <= keep_until)
-            .collect();
+        let jsonl_path = run.join(crate::run::METRICS_JSONL);
+        let csv_path = run.join(crate::run::METRICS_CSV);
+        // Kept lines are copied as they were, never re-serialised.
         let mut jsonl_text = String::new();
         let mut csv_text = format!("{CSV_HEADER}\n");
-        for r in &kept {
-            jsonl_text += &serde_json::to_string(r).expect("record serialises");
-            jsonl_text.push('\n');
-            csv_text += &csv_line(r);
+        for (line, r) in read_lines(&jsonl_path)? {
+            if r.step <= keep_until {
+                jsonl_text += &line;
+                jsonl_text.push('\n');
+                csv_text += &csv_line(&r);
+            }
         }
-        crate::training::write_atomically(&jsonl_path, jsonl_text.as_bytes())?;
-        crate::training::write_atomically(&csv_path, csv_text.as_bytes())?;
+        crate::run::write_atomically(&jsonl_path, jsonl_text.as_bytes())?;
+        crate::run::write_atomically(&csv_path, csv_text.as_bytes())?;
         let append = |path: &Path| {
             OpenOptions::new()
                 .append(true)
@@ -111,17 +110,39 @@ fn csv_line(r: &Record) -> String {
     )
 }
 
-/// The records of a `metrics.jsonl`, skipping a last line cut short.
+/// The records of a `metrics.jsonl`. A last line cut short (by a process killed while writing
+/// it) is dropped; any other line that is not a record is an error, never silently deleted.
 pub fn read_records(path: &Path) -> Result<Vec<Record>> {
+    Ok(read_lines(path)?.into_iter().map(|(_, r)| r).collect())
+}
+
+/// [`read_records`] with each record's line as written.
+fn read_lines(path: &Path) -> Result<Vec<(String, Record)>> {
     if !path.exists() {
         return Ok(Vec::new());
     }
-    let file = File::open(path).map_err(Error::io(path))?;
+    let text = fs::read_to_string(path).map_err(Error::io(path))?;
     let mut out = Vec::new();
-    for line in BufReader::new(file).lines() {
-        let line = line.map_err(Error::io(path))?;
-        if let Ok(record) = serde_json::from_str(&line) {
-            out.push(record);
+    let pieces: Vec<&str> = text.split_inclusive('\n').collect();
+    for (i, piece) in pieces.iter().enumerate() {
+        let complete = piece.ends_with('\n');
+        let line = piece.trim_end_matches(['\n', '\r']);
+        if line.trim().is_empty() {
+            continue;
+        }
+        match serde_json::from_str(line) {
+            Ok(record) => out.push((line.to_string(), record)),
+            Err(_) if !complete && i + 1 == pieces.len() => {}
+            Err(e) => {
+                return Err(Error::Data {
+                    path: path.to_path_buf(),
+                    message: format!(
+                        "line {} is not a metrics record ({e}); the file was edited or damaged: \
+                         restore it, or remove that line to continue",
+                        i + 1
+                    ),
+                });
+            }
         }
     }
     Ok(out)
@@ -221,12 +242,12 @@ impl Progress {
 /// Writes the summary as pretty JSON.
 pub fn write_summary(run: &Path, summary: &Summary) -> Result<()> {
     let json = serde_json::to_string_pretty(summary).expect("summary serialises") + "\n";
-    crate::training::write_atomically(&run.join("summary.json"), json.as_bytes())
+    crate::run::write_atomically(&run.join(crate::run::SUMMARY), json.as_bytes())
 }
 
 /// Reads `summary.json`.
 pub fn read_summary(run: &Path) -> Result<Summary> {
-    let path = run.join("summary.json");
+    let path = run.join(crate::run::SUMMARY);
     let text = fs::read_to_string(&path).map_err(Error::io(&path))?;
     serde_json::from_str(&text).map_err(|e| Error::Checkpoint {
         path,

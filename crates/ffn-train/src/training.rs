@@ -37,6 +37,7 @@ use crate::data::{Batch, Task};
 use crate::metrics::{self, Metrics, Progress, Record, Summary};
 use crate::model::Model;
 use crate::rng::Rng;
+use crate::run;
 use crate::{Error, Result};
 
 /// Tells the C allocator to keep freed memory for reuse instead of returning it to the
@@ -235,11 +236,6 @@ pub fn evaluate(model: &Model, batches: &[Batch]) -> f64 {
     total / batches.len() as f64
 }
 
-/// Writes a run file atomically (see [`ffn_model::weights::write_atomically`]).
-pub fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
-    ffn_model::weights::write_atomically(path, bytes).map_err(Error::io(path))
-}
-
 fn optimizer(t: &TrainSettings) -> ModuleOptimizer {
     AdamWConfig::new()
         .with_beta_1(t.beta1 as f32)
@@ -247,6 +243,21 @@ fn optimizer(t: &TrainSettings) -> ModuleOptimizer {
         .with_epsilon(1e-8)
         .with_weight_decay(t.weight_decay as f32)
         .init()
+}
+
+/// Set by [`request_stop`]: the training loop finishes its step, writes a checkpoint and
+/// returns [`Error::Interrupted`].
+static STOP: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Asks a running [`Trainer::run`] to stop cleanly after its current step (the binary calls it
+/// on SIGINT and SIGTERM). Only an atomic store: safe in a signal handler.
+pub fn request_stop() {
+    STOP.store(true, std::sync::atomic::Ordering::SeqCst);
+}
+
+/// Whether [`request_stop`] was called.
+pub fn stop_requested() -> bool {
+    STOP.load(std::sync::atomic::Ordering::SeqCst)
 }
 
 /// A run in progress: everything the loop needs.
@@ -261,6 +272,139 @@ pub struct Trainer {
     state: State,
     metrics: Metrics,
     last_checkpoint: Option<PathBuf>,
+    /// What the user should know (a checkpoint set aside, an approximate optimum).
+    warnings: Vec<String>,
+    /// Held while the run trains.
+    _lock: run::Lock,
+}
+
+/// A new run built in memory, before its folder is written.
+struct Prepared {
+    text: String,
+    loaded: Loaded,
+    optim: ModuleOptimizer,
+}
+
+impl Prepared {
+    fn new(mut config: TrainConfig, device: &Device) -> Result<Self> {
+        // A text file is stored by its absolute path, so the run resumes from anywhere.
+        if let TaskConfig::Text(t) = &mut config.task {
+            t.path = fs::canonicalize(&t.path).map_err(Error::io(&t.path))?;
+        }
+        config.check_memory(config.train.eval_batches)?;
+        let device = &config.train.device(device);
+        let task = Task::new(&config, device)?;
+        let text = config.to_toml();
+        // What `resume` will read back is exactly this config.
+        debug_assert_eq!(
+            TrainConfig::from_toml(&text, &[]).ok().as_ref(),
+            Some(&config)
+        );
+        let optim = optimizer(&config.train);
+        let loaded = initialise(config, &text, task, device)?;
+        Ok(Self {
+            text,
+            loaded,
+            optim,
+        })
+    }
+
+    /// Writes the run's files into its claimed folder and builds the trainer; on failure a
+    /// folder this process created is removed again.
+    fn write(
+        self,
+        folder: &Path,
+        lock: run::Lock,
+        created: bool,
+        device: &Device,
+    ) -> Result<Trainer> {
+        let Prepared {
+            text,
+            loaded,
+            optim,
+        } = self;
+        let written = (|| {
+            run::write_atomically(&folder.join(run::CONFIG), text.as_bytes())?;
+            let ffn = loaded.config.ffn()?.to_toml();
+            run::write_atomically(&folder.join(run::FFN), ffn.as_bytes())?;
+            if let Some(vocab) = loaded.task.vocab() {
+                let json = serde_json::to_string(&vocab).expect("vocab serialises");
+                run::write_atomically(&folder.join(run::VOCAB), json.as_bytes())?;
+            }
+            if let TaskConfig::Text(t) = &loaded.config.task {
+                let corpus = Corpus::of(&t.path)?;
+                let json = serde_json::to_string_pretty(&corpus).expect("corpus serialises");
+                run::write_atomically(&folder.join(run::CORPUS), json.as_bytes())?;
+            }
+            Ok(())
+        })();
+        let trainer = written.and_then(|()| {
+            let seed = loaded.config.seed;
+            let state = State {
+                step: 0,
+                rng: RngState { seed, next_step: 0 },
+                pending_loss: (0.0, 0),
+                best_valid: None,
+                tokens: 0,
+                elapsed_s: 0.0,
+                config_fingerprint: loaded.fingerprint.clone(),
+            };
+            let mut trainer = Trainer::assemble(folder, loaded, optim, state, None, device, lock)?;
+            trainer.warnings.extend(trainer.task.warning());
+            Ok(trainer)
+        });
+        if trainer.is_err() && created {
+            let _ = fs::remove_dir_all(folder);
+        }
+        trainer
+    }
+}
+
+/// The text file a `--text` run trains on, as `corpus.json` records it: a resumed run,
+/// `eval` and `sample` refuse a file that changed.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Corpus {
+    /// Its absolute path.
+    pub path: PathBuf,
+    /// Its size in bytes.
+    pub bytes: u64,
+    /// Its SHA-256, hex.
+    pub sha256: String,
+}
+
+impl Corpus {
+    /// Reads and fingerprints the file.
+    pub fn of(path: &Path) -> Result<Self> {
+        let bytes = ffn_model::reader::read_regular(path, crate::data::MAX_TEXT)
+            .map_err(Error::io(path))?;
+        Ok(Self {
+            path: path.to_path_buf(),
+            bytes: bytes.len() as u64,
+            sha256: checkpoint::sha256(&bytes),
+        })
+    }
+
+    /// Checks the run folder's recorded corpus against the file as it is now.
+    fn check(run: &Path, path: &Path) -> Result<()> {
+        let record = run.join(run::CORPUS);
+        let text = fs::read_to_string(&record).map_err(Error::io(&record))?;
+        let recorded: Corpus = serde_json::from_str(&text).map_err(|e| Error::Checkpoint {
+            path: record.clone(),
+            message: format!("corrupt: {e}"),
+        })?;
+        let now = Corpus::of(path)?;
+        if now != recorded {
+            return Err(Error::Data {
+                path: path.to_path_buf(),
+                message: format!(
+                    "the text file changed since the run started (it had {} bytes, SHA-256 {}; \
+                     now {} bytes, {}): restore it, or start a new run",
+                    recorded.bytes, recorded.sha256, now.bytes, now.sha256
+                ),
+            });
+        }
+        Ok(())
+    }
 }
 
 /// What `config.toml` of a run folder holds, and the model built from it.
@@ -277,7 +421,7 @@ pub struct Loaded {
 
 /// Reads a run folder's config and builds its task and (initial) model on `device`.
 pub fn load_run(run: &Path, device: &Device) -> Result<Loaded> {
-    let path = run.join("config.toml");
+    let path = run.join(run::CONFIG);
     if !path.exists() {
         return Err(Error::Checkpoint {
             path: run.to_path_buf(),
@@ -289,6 +433,9 @@ pub fn load_run(run: &Path, device: &Device) -> Result<Loaded> {
         path: path.clone(),
         message: e.to_string(),
     })?;
+    if let TaskConfig::Text(t) = &config.task {
+        Corpus::check(run, &t.path)?;
+    }
     let device = &config.train.device(device);
     let task = Task::new(&config, device)?;
     initialise(config, &text, task, device)
@@ -308,71 +455,103 @@ fn initialise(config: TrainConfig, text: &str, task: Task, device: &Device) -> R
     })
 }
 
-/// The run in folder `run` at its newest checkpoint: config, task and trained model, the
-/// checkpoint's state, and its folder.
+/// The run in folder `run` at its newest good checkpoint: config, task and trained model, the
+/// checkpoint's state, and its folder (see [`load_latest_good`]).
 pub fn load_latest(run: &Path, device: &Device) -> Result<(Loaded, State, PathBuf)> {
+    let (loaded, state, latest, _) = load_latest_good(run, device, false)?;
+    Ok((loaded, state, latest))
+}
+
+/// The run in folder `run` at its newest checkpoint that verifies (checksums) and loads,
+/// with a warning for each newer one passed over. With `set_aside` (the caller holds the run's
+/// lock) those are renamed `checkpoints/corrupt-step-…`, so they are kept but no longer
+/// listed.
+pub fn load_latest_good(
+    run: &Path,
+    device: &Device,
+    set_aside: bool,
+) -> Result<(Loaded, State, PathBuf, Vec<String>)> {
     let loaded = load_run(run, device)?;
-    let latest = checkpoint::list(run)?
-        .pop()
-        .ok_or_else(|| Error::Checkpoint {
+    let mut warnings = Vec::new();
+    let candidates = checkpoint::list(run)?;
+    if candidates.is_empty() {
+        return Err(Error::Checkpoint {
             path: checkpoint::folder(run),
-            message: "no checkpoint yet; start the run again with `ffn-train train`".into(),
-        })?;
-    let state = checkpoint::read_state(&latest, &loaded.fingerprint)?;
-    let model = checkpoint::load_model(&latest, loaded.model)?;
-    Ok((Loaded { model, ..loaded }, state, latest))
+            message: format!(
+                "no checkpoint yet; start the run again with `ffn-train train --run {}` and its \
+                 config",
+                run.display()
+            ),
+        });
+    }
+    for candidate in candidates.into_iter().rev() {
+        let attempt = checkpoint::verify(&candidate)
+            .and_then(|()| checkpoint::read_state(&candidate, &loaded.fingerprint))
+            .and_then(|state| {
+                let model = checkpoint::load_model(&candidate, loaded.model.clone())?;
+                Ok((state, model))
+            });
+        match attempt {
+            Ok((state, model)) => {
+                return Ok((Loaded { model, ..loaded }, state, candidate, warnings));
+            }
+            Err(e) => {
+                let mut warning = format!("skipping checkpoint {}: {e}", candidate.display());
+                if set_aside {
+                    let name = candidate
+                        .file_name()
+                        .expect("a checkpoint folder has a name");
+                    let aside =
+                        candidate.with_file_name(format!("corrupt-{}", name.to_string_lossy()));
+                    if fs::rename(&candidate, &aside).is_ok() {
+                        warning += &format!(" (kept as {})", aside.display());
+                    }
+                }
+                warnings.push(warning);
+            }
+        }
+    }
+    Err(Error::Checkpoint {
+        path: checkpoint::folder(run),
+        message: format!(
+            "no checkpoint of this run is intact: {}",
+            warnings.join("; ")
+        ),
+    })
 }
 
 impl Trainer {
-    /// Starts a new run in the folder `run` (which must not exist or be empty).
-    pub fn start(mut config: TrainConfig, run: &Path, device: &Device) -> Result<Self> {
-        if run.exists() && fs::read_dir(run).map_err(Error::io(run))?.next().is_some() {
-            return Err(Error::Config(format!(
-                "the run folder {} already exists; continue it with `ffn-train resume {0}` or \
-                 choose another --run",
-                run.display()
-            )));
-        }
-        // A text file is stored by its absolute path, so the run resumes from anywhere.
-        if let TaskConfig::Text(t) = &mut config.task {
-            t.path = fs::canonicalize(&t.path).map_err(Error::io(&t.path))?;
-        }
-        let device = &config.train.device(device);
-        // Build the task first: a bad text file is reported before the folder is created.
-        let task = Task::new(&config, device)?;
-        fs::create_dir_all(run).map_err(Error::io(run))?;
-        let text = config.to_toml();
-        write_atomically(&run.join("config.toml"), text.as_bytes())?;
-        write_atomically(&run.join("ffn.toml"), config.ffn()?.to_toml().as_bytes())?;
-        if let Some(vocab) = task.vocab() {
-            let json = serde_json::to_string(&vocab).expect("vocab serialises");
-            write_atomically(&run.join("vocab.json"), json.as_bytes())?;
-        }
-        // What `resume` will read back is exactly this config.
-        debug_assert_eq!(
-            TrainConfig::from_toml(&text, &[]).ok().as_ref(),
-            Some(&config)
-        );
-        let seed = config.seed;
-        let optim = optimizer(&config.train);
-        let loaded = initialise(config, &text, task, device)?;
-        let state = State {
-            step: 0,
-            rng: RngState { seed, next_step: 0 },
-            pending_loss: (0.0, 0),
-            best_valid: None,
-            tokens: 0,
-            elapsed_s: 0.0,
-            config_fingerprint: loaded.fingerprint.clone(),
-        };
-        Self::assemble(run, loaded, optim, state, None, device)
+    /// Starts a new run in the folder `run`, which may not exist, be empty, or hold a run that
+    /// never reached its first checkpoint (which is then started again; see [`run::claim`]).
+    /// Everything is built and checked before the folder is touched: a config that fails
+    /// leaves no folder behind.
+    pub fn start(config: TrainConfig, run: &Path, device: &Device) -> Result<Self> {
+        let prepared = Prepared::new(config, device)?;
+        let (lock, created) = run::claim(run)?;
+        prepared.write(run, lock, created, device)
     }
 
-    /// Continues the run in folder `run` from its newest checkpoint.
+    /// [`start`](Self::start) in the first free folder of `base`, `base-2`, `base-3`, … (two
+    /// processes starting at once get different folders).
+    pub fn start_numbered(config: TrainConfig, base: &Path, device: &Device) -> Result<Self> {
+        let prepared = Prepared::new(config, device)?;
+        let (run, lock) = run::claim_numbered(base)?;
+        prepared.write(&run, lock, true, device)
+    }
+
+    /// Continues the run in folder `run` from its newest good checkpoint (a corrupt or
+    /// incomplete newer one is set aside as `checkpoints/corrupt-step-…`, with a warning).
     pub fn resume(run: &Path, device: &Device) -> Result<Self> {
-        let (loaded, state, latest) = load_latest(run, device)?;
+        let lock = run::lock(run)?;
+        let (loaded, state, latest, warnings) = load_latest_good(run, device, true)?;
+        loaded
+            .config
+            .check_memory(loaded.config.train.eval_batches)?;
         let optim = checkpoint::load_optim(&latest, optimizer(&loaded.config.train))?;
-        Self::assemble(run, loaded, optim, state, Some(latest), device)
+        let mut trainer = Self::assemble(run, loaded, optim, state, Some(latest), device, lock)?;
+        trainer.warnings = warnings;
+        trainer.warnings.extend(trainer.task.warning());
+        Ok(trainer)
     }
 
     fn assemble(
@@ -382,6 +561,7 @@ impl Trainer {
         state: State,
         last_checkpoint: Option<PathBuf>,
         device: &Device,
+        lock: run::Lock,
     ) -> Result<Self> {
         let t = &loaded.config.train;
         let device = &t.device(device);
@@ -403,6 +583,8 @@ impl Trainer {
             valid,
             state,
             last_checkpoint,
+            warnings: Vec::new(),
+            _lock: lock,
         })
     }
 
@@ -419,6 +601,12 @@ impl Trainer {
     /// The best achievable loss, when known.
     pub fn optimal_loss(&self) -> Option<f64> {
         self.task.optimal_loss()
+    }
+
+    /// What the user should know before training: a checkpoint passed over on resuming, an
+    /// approximate optimum (see [`Task::warning`]).
+    pub fn warnings(&self) -> &[String] {
+        &self.warnings
     }
 
     /// Trains to the configured number of steps, then writes the summary and the plot.
@@ -500,7 +688,8 @@ impl Trainer {
                 last_valid = Some(valid);
                 interval.0 = Instant::now(); // evaluation time is not training throughput
             }
-            if done.is_multiple_of(t.checkpoint_every) || last {
+            let stopping = stop_requested() && !last;
+            if done.is_multiple_of(t.checkpoint_every) || last || stopping {
                 self.state.elapsed_s = elapsed(&clock);
                 let path = checkpoint::save(
                     &self.run,
@@ -509,7 +698,15 @@ impl Trainer {
                     &self.state,
                     t.keep_checkpoints,
                 )?;
-                self.last_checkpoint = Some(path);
+                self.last_checkpoint = Some(path.clone());
+                if stopping {
+                    progress.finish();
+                    return Err(Error::Interrupted {
+                        step: done,
+                        checkpoint: path,
+                        run: self.run.clone(),
+                    });
+                }
             }
 
             let tokens_per_s = self.state.tokens as f64 / elapsed(&clock).max(1e-9);
@@ -532,7 +729,7 @@ impl Trainer {
 
     /// Writes `summary.json` and `loss.svg` from the metrics and the final state.
     fn finish(&self) -> Result<Summary> {
-        let records = metrics::read_records(&self.run.join("metrics.jsonl"))?;
+        let records = metrics::read_records(&self.run.join(run::METRICS_JSONL))?;
         let optimum = self.task.optimal_loss();
         let last = |kind: &str| {
             records
@@ -573,7 +770,7 @@ impl Trainer {
             describe(&self.config)
         );
         let svg = crate::plot::svg(&title, &records, optimum);
-        write_atomically(&self.run.join("loss.svg"), svg.as_bytes())?;
+        run::write_atomically(&self.run.join(run::PLOT), svg.as_bytes())?;
         Ok(summary)
     }
 

@@ -4,43 +4,10 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{TINY_LM, losses, scratch, snapshot};
-
-fn ffn_train(args: &[&str], cwd: &Path) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_ffn-train"))
-        .args(args)
-        .current_dir(cwd)
-        .env_remove("FFN_DEVICE")
-        .output()
-        .expect("the binary runs")
-}
-
-fn stdout(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stdout).into_owned()
-}
-
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
-}
-
-/// Asserts a failed command printed exactly one line, `error: …` containing `needle`.
-fn assert_error(o: &Output, needle: &str) {
-    assert_eq!(
-        o.status.code(),
-        Some(1),
-        "stdout: {}\nstderr: {}",
-        stdout(o),
-        stderr(o)
-    );
-    let err = stderr(o);
-    let lines: Vec<&str> = err.lines().collect();
-    assert_eq!(lines.len(), 1, "one line expected:\n{err}");
-    assert!(lines[0].starts_with("error: "), "{err}");
-    assert!(err.contains(needle), "`{needle}` not in: {err}");
-}
+use common::{TINY_LM, assert_error, ffn_train, losses, scratch, snapshot, stderr, stdout};
 
 fn tiny(dir: &Path) -> PathBuf {
     let path = dir.join("tiny.toml");
