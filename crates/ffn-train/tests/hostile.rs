@@ -570,7 +570,7 @@ impl burn::module::ModuleVisitor for Weights {
         &mut self,
         param: &burn::module::Param<burn::tensor::Tensor<D>>,
     ) {
-        let values: Vec<f32> = param.val().into_data().to_vec().unwrap();
+        let values: Vec<f32> = param.val().into_data().try_to_vec().unwrap();
         self.0.push(values.iter().map(|v| v.to_bits()).collect());
     }
 }
