@@ -484,6 +484,7 @@ pub fn load_latest_good(
             ),
         });
     }
+    let mut passed_over: Vec<(PathBuf, String)> = Vec::new();
     for candidate in candidates.into_iter().rev() {
         let attempt = checkpoint::verify(&candidate)
             .and_then(|()| checkpoint::read_state(&candidate, &loaded.fingerprint))
@@ -493,29 +494,30 @@ pub fn load_latest_good(
             });
         match attempt {
             Ok((state, model)) => {
+                // Only once a good one is found are the bad ones set aside: a folder without
+                // any intact checkpoint is left as it was.
+                for (bad, mut warning) in passed_over {
+                    let name = bad.file_name().expect("a checkpoint folder has a name");
+                    let aside = bad.with_file_name(format!("corrupt-{}", name.to_string_lossy()));
+                    if set_aside && fs::rename(&bad, &aside).is_ok() {
+                        warning += &format!(" (kept as {})", aside.display());
+                    }
+                    warnings.push(warning);
+                }
                 return Ok((Loaded { model, ..loaded }, state, candidate, warnings));
             }
             Err(e) => {
-                let mut warning = format!("skipping checkpoint {}: {e}", candidate.display());
-                if set_aside {
-                    let name = candidate
-                        .file_name()
-                        .expect("a checkpoint folder has a name");
-                    let aside =
-                        candidate.with_file_name(format!("corrupt-{}", name.to_string_lossy()));
-                    if fs::rename(&candidate, &aside).is_ok() {
-                        warning += &format!(" (kept as {})", aside.display());
-                    }
-                }
-                warnings.push(warning);
+                let warning = format!("skipping checkpoint {}: {e}", candidate.display());
+                passed_over.push((candidate, warning));
             }
         }
     }
+    let passed_over: Vec<String> = passed_over.into_iter().map(|(_, w)| w).collect();
     Err(Error::Checkpoint {
         path: checkpoint::folder(run),
         message: format!(
             "no checkpoint of this run is intact: {}",
-            warnings.join("; ")
+            passed_over.join("; ")
         ),
     })
 }

@@ -231,15 +231,19 @@ fn every_error_is_one_clear_line() {
     assert_error(&train(&args), "already exists");
     assert_eq!(snapshot(&dir.join("run")), before);
 
-    // Resume: not a run folder; a corrupt checkpoint; a checkpoint of another config.
+    // Resume: not a run folder; no intact checkpoint (a newer corrupt one alone is passed
+    // over: tests/hostile.rs); a checkpoint of another config.
     assert_error(&ffn_train(&["resume", "."], &dir), "not a run folder");
-    let latest = ffn_train::checkpoint::list(&dir.join("run"))
-        .unwrap()
-        .pop()
-        .unwrap();
-    let model = latest.join("model.bpk");
-    let bytes = std::fs::read(&model).unwrap();
-    std::fs::write(&model, &bytes[..bytes.len() / 2]).unwrap();
+    let checkpoints = ffn_train::checkpoint::list(&dir.join("run")).unwrap();
+    let originals: Vec<(PathBuf, Vec<u8>)> = checkpoints
+        .iter()
+        .map(|c| {
+            let model = c.join("model.bpk");
+            let bytes = std::fs::read(&model).unwrap();
+            std::fs::write(&model, &bytes[..bytes.len() / 2]).unwrap();
+            (model, bytes)
+        })
+        .collect();
     let before = snapshot(&dir.join("run"));
     assert_error(&ffn_train(&["resume", "run"], &dir), "model.bpk");
     assert_error(&ffn_train(&["eval", "run"], &dir), "model.bpk");
@@ -248,7 +252,9 @@ fn every_error_is_one_clear_line() {
         before,
         "the run folder is left as it was"
     );
-    std::fs::write(&model, &bytes).unwrap();
+    for (model, bytes) in originals {
+        std::fs::write(&model, &bytes).unwrap();
+    }
     let config_path = dir.join("run/config.toml");
     let original = std::fs::read_to_string(&config_path).unwrap();
     std::fs::write(&config_path, original.replace("seed = 7", "seed = 8")).unwrap();

@@ -75,7 +75,7 @@ fn hostile_configs_fail_cleanly_and_write_no_run_folder() {
         ("task.seq_len=10000000", "of memory"),
         ("model.n_layers=10000000", "of memory"),
         ("model.d_model=4611686018427387904", "too large"),
-        ("model.d_model=16777216", "of memory"),
+        ("model.d_model=16777216", "too large"),
         ("train.shards=100000000000", "too large"),
     ];
     for (set, needle) in cases {
