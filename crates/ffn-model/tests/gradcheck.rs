@@ -11,37 +11,11 @@ mod common;
 
 use burn::module::{Module, ModuleMapper, Param};
 use burn::tensor::{DType, Tensor, TensorData};
-use common::{Cast, device, strip_metadata};
+use common::{Cast, Rng, device, strip_metadata};
 use ffn_model::{Activation, FeedForward, FeedForwardConfig, Memory};
 
 const EPS: f64 = 1e-6;
 const TOLERANCE: f64 = 1e-6;
-
-/// xorshift64*: reproducible standard-normal-ish numbers without a dependency.
-struct Rng(u64);
-
-impl Rng {
-    fn uniform(&mut self) -> f64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        (self.0.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 11) as f64 / (1u64 << 53) as f64
-    }
-
-    /// Box–Muller.
-    fn normal(&mut self) -> f64 {
-        let (u, v) = (self.uniform().max(1e-300), self.uniform());
-        (-2.0 * u.ln()).sqrt() * (2.0 * std::f64::consts::PI * v).cos()
-    }
-
-    fn data(&mut self, shape: &[usize]) -> TensorData {
-        let n = shape.iter().product();
-        TensorData::new(
-            (0..n).map(|_| self.normal()).collect::<Vec<f64>>(),
-            shape.to_vec(),
-        )
-    }
-}
 
 /// Adds `delta` to the parameter at `target` (a record path such as `gate.weight`).
 struct Perturb {

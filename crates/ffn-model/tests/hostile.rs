@@ -10,26 +10,10 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use common::{data_file, device};
+use common::{Rng, data_file, device};
 use ffn_model::inspect::find_ffns;
 use ffn_model::reader::{TensorFile, TensorFiles};
 use ffn_model::{Error, FeedForward, FeedForwardConfig, HfModel};
-
-/// xorshift64*: a seeded stream of cases.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n.max(1) as u64) as usize
-    }
-}
 
 fn cases() -> usize {
     std::env::var("FFN_FUZZ_CASES")

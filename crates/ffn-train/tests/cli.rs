@@ -7,13 +7,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{TINY_LM, assert_error, ffn_train, losses, scratch, snapshot, stderr, stdout};
-
-fn tiny(dir: &Path) -> PathBuf {
-    let path = dir.join("tiny.toml");
-    std::fs::write(&path, TINY_LM).unwrap();
-    path
-}
+use common::{assert_error, ffn_train, losses, scratch, snapshot, stderr, stdout, tiny};
 
 #[test]
 fn train_eval_and_sample_end_to_end() {

@@ -5,17 +5,11 @@
 mod common;
 
 use std::fs;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{TINY_LM, assert_error, ffn_train, scratch, stderr, stdout};
-
-fn tiny(dir: &Path) -> PathBuf {
-    let path = dir.join("tiny.toml");
-    fs::write(&path, TINY_LM).unwrap();
-    path
-}
+use common::{assert_error, ffn_train, scratch, stderr, stdout, tiny};
 
 /// Waits until `done()` holds, failing after a minute.
 fn wait_for(what: &str, mut done: impl FnMut() -> bool) {

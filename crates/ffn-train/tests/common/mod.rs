@@ -149,3 +149,10 @@ pub fn assert_error(o: &Output, needle: &str) {
     assert!(lines[0].starts_with("error: "), "{err}");
     assert!(err.contains(needle), "`{needle}` not in: {err}");
 }
+
+/// Writes [`TINY_LM`] to `dir/tiny.toml` and returns its path.
+pub fn tiny(dir: &Path) -> PathBuf {
+    let path = dir.join("tiny.toml");
+    std::fs::write(&path, TINY_LM).unwrap();
+    path
+}
