@@ -7,7 +7,7 @@
 For each config and round: `ffn-train train` (evaluation and checkpoints only at the end), then
 the twin on that run's resolved config. ffn's tokens/s is its summary's (training steps only);
 cores busy is the process's CPU time over its wall time. The twin runs with the glibc settings
-that `ffn-train` makes for itself (`training::keep_freed_memory`: freed memory stays mapped),
+that `ffn-train` makes for itself (`keep_freed_memory` in `main.rs`: freed memory stays mapped),
 given as `MALLOC_*_` environment variables, so that neither side pays page faults the other
 does not (`--plain-allocator` leaves the twin's allocator alone). Prints a Markdown table: per
 config the best round of each side (the machine is shared and noisy), the ratio
@@ -64,7 +64,7 @@ def main():
     a = p.parse_args()
     env = dict(os.environ, RAYON_NUM_THREADS=str(a.threads), OMP_NUM_THREADS=str(a.threads))
     twin_env = dict(env)
-    if not a.plain_allocator:  # the mallopt calls of ffn-train's keep_freed_memory
+    if not a.plain_allocator:  # the mallopt calls of ffn-train's keep_freed_memory (main.rs)
         twin_env.update(
             MALLOC_MMAP_THRESHOLD_=str(256 << 20),
             MALLOC_TRIM_THRESHOLD_=str(1 << 30),

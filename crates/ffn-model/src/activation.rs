@@ -24,6 +24,7 @@ use crate::ConfigError;
 
 /// The element-wise activation function `φ`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum Activation {
     /// `ReLU(x) = max(0, x)` (Nair & Hinton 2010); the original Transformer's choice.
     Relu,
@@ -158,7 +159,7 @@ impl FromStr for Activation {
 
     /// Parses a canonical name or an alias, ignoring ASCII case and treating `-` as `_`.
     fn from_str(name: &str) -> Result<Self, ConfigError> {
-        let normal = name.trim().to_ascii_lowercase().replace('-', "_");
+        let normal = crate::normal_name(name);
         Self::ALL
             .iter()
             .map(|a| (a.name(), *a))

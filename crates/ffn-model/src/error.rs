@@ -5,6 +5,7 @@ use std::path::PathBuf;
 /// An invalid [`FeedForwardConfig`](crate::FeedForwardConfig), or a config text that cannot be
 /// parsed into one.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
 pub enum ConfigError {
     /// A size that must be positive is zero.
     #[error("`{field}` must be at least 1, got 0")]
@@ -72,6 +73,7 @@ pub enum ConfigError {
 
 /// An error from loading or saving weights.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum Error {
     /// The module's config is invalid.
     #[error(transparent)]

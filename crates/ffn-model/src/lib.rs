@@ -10,9 +10,10 @@
 //! gated:   y = down(φ(gate(x)) ⊙ up(x))
 //! ```
 //!
-//! The crate enables no burn backend: the [`Device`](burn::tensor::Device) a caller passes
-//! decides where the module lives, and the same type runs on every backend the final binary
-//! compiles in.
+//! The [`Device`](burn::tensor::Device) a caller passes decides where the module lives, and the
+//! same type runs on every backend the final binary compiles in. The crate's features (`flex`,
+//! the default, `ndarray`, `wgpu`, `cuda`) add the FFN op's fast path for a backend and enable
+//! it in burn; with `default-features = false` it enables no backend.
 //!
 //! ```
 //! use burn::tensor::{Device, Tensor};
@@ -56,6 +57,12 @@ pub use model::FeedForward;
 pub use op::Memory;
 pub use preset::Variant;
 pub use scheme::Scheme;
+
+/// A name as the parsers of activations, variants and schemes compare it: trimmed, ASCII
+/// lower case, `-` read as `_`.
+pub(crate) fn normal_name(name: &str) -> String {
+    name.trim().to_ascii_lowercase().replace('-', "_")
+}
 
 /// Branch-free `f32` math that compilers vectorise, as the CPU kernels use it (shared with
 /// `ffn-train`'s attention and loss kernels).

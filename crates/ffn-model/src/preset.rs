@@ -25,6 +25,7 @@ use crate::{Activation, ConfigError, DropoutAt, FeedForwardConfig};
 
 /// A feed-forward variant of Shazeer (2020), Table 1.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum Variant {
     /// `FFN_ReLU(x) = max(0, xW₁) W₂`: the original Transformer's layer.
     FfnRelu,
@@ -116,7 +117,7 @@ impl FromStr for Variant {
     /// `FFN_SwiGLU`, `swiglu` and `ffn-swiglu` are the same variant.
     fn from_str(name: &str) -> Result<Self, ConfigError> {
         let normal = |s: &str| {
-            let s = s.trim().to_ascii_lowercase().replace('-', "_");
+            let s = crate::normal_name(s);
             s.strip_prefix("ffn_").map(str::to_string).unwrap_or(s)
         };
         let wanted = normal(name);

@@ -66,7 +66,8 @@ pub(crate) fn open_regular(path: &Path) -> std::io::Result<File> {
     File::open(path)
 }
 
-/// The whole of a regular file of at most `limit` bytes (see [`open_regular`]).
+/// The whole of a regular file of at most `limit` bytes: a folder, device, FIFO or socket is
+/// refused before it is opened (`/dev/zero` would never end; a FIFO blocks until a writer comes).
 pub fn read_regular(path: &Path, limit: u64) -> std::io::Result<Vec<u8>> {
     let file = open_regular(path)?;
     let mut bytes = Vec::new();
@@ -288,11 +289,11 @@ impl TensorFile {
             "F32" => TensorData::new(decode(&bytes, f32::from_le_bytes), shape),
             "F64" => TensorData::new(decode(&bytes, f64::from_le_bytes), shape),
             "F16" => TensorData::new(
-                decode(&bytes, |b| half::f16::from_le_bytes(b).to_f32()),
+                decode(&bytes, |b| burn::tensor::f16::from_le_bytes(b).to_f32()),
                 shape,
             ),
             "BF16" => TensorData::new(
-                decode(&bytes, |b| half::bf16::from_le_bytes(b).to_f32()),
+                decode(&bytes, |b| burn::tensor::bf16::from_le_bytes(b).to_f32()),
                 shape,
             ),
             other => {

@@ -64,6 +64,7 @@ impl Slot {
 
 /// A naming scheme of FFN weights (see the [module docs](self)).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum Scheme {
     /// This crate's names: `up`, `gate`, `down`.
     Native,
@@ -230,7 +231,7 @@ impl FromStr for Scheme {
     type Err = Error;
 
     fn from_str(name: &str) -> Result<Self, Error> {
-        let normal = name.trim().to_ascii_lowercase().replace('-', "_");
+        let normal = crate::normal_name(name);
         Self::ALL
             .into_iter()
             .find(|s| s.name() == normal)

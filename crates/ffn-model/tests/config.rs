@@ -1,5 +1,7 @@
 //! The config: serde round trips, every validation error, presets, activation names.
 
+mod common;
+
 use burn::config::Config;
 use burn::nn::Initializer;
 use ffn_model::{Activation, ConfigError, DropoutAt, FeedForwardConfig, Variant};
@@ -46,7 +48,7 @@ fn toml_and_json_round_trip() {
 
 #[test]
 fn burn_config_trait_saves_and_loads_json() {
-    let dir = tempdir();
+    let dir = common::scratch("config-burn");
     let path = dir.join("ffn.json");
     let config = every_field_set();
     config.save(&path).unwrap();
@@ -326,14 +328,4 @@ fn flops_per_token() {
     );
     let gated = FeedForwardConfig::new(512, 1365).with_gated(true);
     assert_eq!(gated.flops_per_token(), 6 * 512 * 1365);
-}
-
-fn tempdir() -> std::path::PathBuf {
-    let dir = std::env::temp_dir().join(format!(
-        "ffn-config-test-{}-{:?}",
-        std::process::id(),
-        std::thread::current().id()
-    ));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
 }

@@ -135,14 +135,12 @@ fn fused_modules_round_trip_through_burn_records() {
     let device = device();
     let config = FeedForwardConfig::preset(Variant::SwiGlu, 12).with_fused_gate_up(true);
     let ffn = config.init(&device);
-    let dir = std::env::temp_dir().join(format!("ffn-fused-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = common::scratch("fused");
     let path = dir.join("model");
     ffn.clone().save_file(&path).unwrap();
     let loaded = config.init(&device).load_file(&path);
     assert!(loaded.is_fused());
     assert_eq!(loaded.to_safetensors_bytes(), ffn.to_safetensors_bytes());
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]

@@ -7,50 +7,12 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::path::Path;
 
-use common::{Rng, data_file, device};
+use common::{Rng, Scratch, data_file, device, property, scratch};
 use ffn_model::inspect::find_ffns;
 use ffn_model::reader::{TensorFile, TensorFiles};
 use ffn_model::{Error, FeedForward, FeedForwardConfig, HfModel};
-
-fn cases() -> usize {
-    std::env::var("FFN_FUZZ_CASES")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(2500)
-}
-
-fn time_box() -> Duration {
-    let seconds = std::env::var("FFN_FUZZ_SECONDS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(60);
-    Duration::from_secs(seconds)
-}
-
-/// Runs `case` on `cases()` seeds (or until the time box ends); a panic names its seed.
-fn property(name: &str, seed: u64, mut case: impl FnMut(&mut Rng)) -> usize {
-    let start = Instant::now();
-    let mut done = 0;
-    for i in 0..cases() {
-        if start.elapsed() > time_box() {
-            break;
-        }
-        let case_seed = seed ^ (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        let mut rng = Rng(case_seed);
-        let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| case(&mut rng)));
-        assert!(
-            outcome.is_ok(),
-            "{name}: case {i} (seed {case_seed:#x}) panicked"
-        );
-        done += 1;
-    }
-    eprintln!("{name}: {done} cases in {:.1?}", start.elapsed());
-    assert!(done >= 100, "{name}: only {done} cases ran");
-    done
-}
 
 /// A safetensors file from a header (as JSON text) and a data section.
 fn file(header: &str, data: &[u8]) -> Vec<u8> {
@@ -96,10 +58,8 @@ fn headers_are_validated_like_the_safetensors_crate() {
 }
 
 /// A temporary model folder with `config.json` and the given files.
-fn model_folder(tag: &str, config: &str, files: &[(&str, &[u8])]) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("ffn-hostile-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+fn model_folder(tag: &str, config: &str, files: &[(&str, &[u8])]) -> Scratch {
+    let dir = scratch(&format!("hostile-{tag}"));
     std::fs::write(dir.join("config.json"), config).unwrap();
     for (name, bytes) in files {
         std::fs::write(dir.join(name), bytes).unwrap();
@@ -111,7 +71,8 @@ const LLAMA: &str = r#"{"model_type":"llama","hidden_size":4,"intermediate_size"
 
 #[test]
 fn shard_names_cannot_leave_the_model_folder() {
-    let outside = std::env::temp_dir().join(format!("ffn-outside-{}", std::process::id()));
+    let elsewhere = scratch("hostile-outside");
+    let outside = elsewhere.join("secret");
     std::fs::write(&outside, b"secret").unwrap();
     let names = [
         "../../../../etc/passwd".to_string(),
@@ -303,7 +264,7 @@ fn mutate(rng: &mut Rng, bytes: &[u8]) -> Vec<u8> {
 fn mutated_weight_files_never_panic() {
     let (ffn, bytes) = valid_weights();
     let mut accepted = 0;
-    property("safetensors mutations", 0x5AFE, |rng| {
+    property("safetensors mutations", 0x5AFE, 2500, |rng| {
         let mutated = mutate(rng, &bytes);
         if let Ok(file) = TensorFile::from_bytes(&mutated) {
             let files = TensorFiles::single(file);
@@ -324,7 +285,7 @@ fn mutated_model_folders_never_panic() {
     let weights = std::fs::read(base.join("model.safetensors")).unwrap();
     let dir = model_folder("fuzz-folder", &config, &[]);
     let device = device();
-    property("model folder mutations", 0xF01D, |rng| {
+    property("model folder mutations", 0xF01D, 2500, |rng| {
         let config_bytes = mutate_json(rng, &config);
         std::fs::write(dir.join("config.json"), config_bytes).unwrap();
         let _ = std::fs::remove_file(dir.join("model.safetensors.index.json"));

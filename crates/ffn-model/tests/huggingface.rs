@@ -11,7 +11,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use burn::tensor::{Tensor, TensorData};
-use common::{data_file, device};
+use common::{Scratch, data_file, device, scratch};
 use ffn_model::{Activation, Error, FeedForwardConfig, HfModel, Scheme};
 use safetensors::SafeTensors;
 
@@ -150,8 +150,7 @@ fn every_scheme_round_trips_and_is_detected() {
         .with_bias_up(true)
         .with_bias_down(true);
     let x = Tensor::<3>::ones([1, 2, 6], &device) * 0.5;
-    let dir = std::env::temp_dir().join(format!("ffn-schemes-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = scratch("schemes");
     for config in [gated, ungated] {
         let ffn = config.init(&device);
         let expected = ffn.forward(x.clone()).into_data();
@@ -230,10 +229,8 @@ fn altered(
     edit_config: impl Fn(&mut serde_json::Value),
     drop: &[&str],
     int_key: Option<&str>,
-) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("ffn-hf-{}-{name}-{tag}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+) -> Scratch {
+    let dir = scratch(&format!("hf-{name}-{tag}"));
     let mut config: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(folder(name).join("config.json")).unwrap())
             .unwrap();
@@ -459,7 +456,8 @@ fn ffns_are_found_in_any_file() {
         .with_gated(true)
         .with_activation(Activation::Relu2)
         .init(&device);
-    let path = std::env::temp_dir().join(format!("ffn-find-{}.safetensors", std::process::id()));
+    let dir = scratch("find");
+    let path = dir.join("ffn.safetensors");
     ffn.save_safetensors_as(&path, Scheme::W12, "mlp.").unwrap();
     let found = find_ffns(&open(path));
     assert_eq!(found.len(), 1);

@@ -4,20 +4,12 @@
 mod common;
 
 use std::fs;
-use std::path::PathBuf;
 
 use burn::module::Module;
 use burn::tensor::{Device, Tensor, TensorData};
-use common::{device, strip_metadata};
+use common::{device, scratch, strip_metadata};
 use ffn_model::{Activation, Error, FeedForward, FeedForwardConfig, Variant};
 use safetensors::{Dtype, SafeTensors, tensor::TensorView};
-
-fn tempdir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("ffn-persist-{}-{name}", std::process::id()));
-    let _ = fs::remove_dir_all(&dir);
-    fs::create_dir_all(&dir).unwrap();
-    dir
-}
 
 fn biased(variant: Variant) -> FeedForwardConfig {
     let config = FeedForwardConfig::preset(variant, 12);
@@ -42,7 +34,7 @@ fn values(t: Tensor<3>) -> Vec<f32> {
 #[test]
 fn safetensors_round_trip_on_every_variant() {
     let device = device();
-    let dir = tempdir("st-round-trip");
+    let dir = scratch("persist-st-round-trip");
     for variant in Variant::ALL {
         for config in [FeedForwardConfig::preset(variant, 12), biased(variant)] {
             let original = config.init(&device);
@@ -60,7 +52,7 @@ fn safetensors_round_trip_on_every_variant() {
 #[test]
 fn burn_record_round_trip_on_every_variant() {
     let device = device();
-    let dir = tempdir("record-round-trip");
+    let dir = scratch("persist-record-round-trip");
     for variant in Variant::ALL {
         let config = biased(variant);
         let original = config.init(&device);
@@ -84,7 +76,7 @@ fn burn_record_round_trip_on_every_variant() {
 #[test]
 fn the_activation_survives_records_and_files() {
     let device = device();
-    let dir = tempdir("activation");
+    let dir = scratch("persist-activation");
     let swiglu = FeedForwardConfig::preset(Variant::SwiGlu, 12).init(&device);
     let expected = values(swiglu.forward(input(&device)));
     // Same shapes, another activation: ReGLU.
@@ -210,9 +202,11 @@ fn half_precision_files_are_widened() {
     for (dtype, encode) in [
         (
             Dtype::F16,
-            (|v: f32| half::f16::from_f32(v).to_le_bytes()) as fn(f32) -> [u8; 2],
+            (|v: f32| burn::tensor::f16::from_f32(v).to_le_bytes()) as fn(f32) -> [u8; 2],
         ),
-        (Dtype::BF16, |v: f32| half::bf16::from_f32(v).to_le_bytes()),
+        (Dtype::BF16, |v: f32| {
+            burn::tensor::bf16::from_f32(v).to_le_bytes()
+        }),
     ] {
         let converted: Vec<(String, Vec<u8>, Vec<usize>)> = file
             .tensors()
@@ -250,8 +244,8 @@ fn half_precision_files_are_widened() {
         let rounded: Vec<f32> = expected
             .iter()
             .map(|v| match dtype {
-                Dtype::F16 => half::f16::from_f32(*v).to_f32(),
-                _ => half::bf16::from_f32(*v).to_f32(),
+                Dtype::F16 => burn::tensor::f16::from_f32(*v).to_f32(),
+                _ => burn::tensor::bf16::from_f32(*v).to_f32(),
             })
             .collect();
         assert_eq!(actual, rounded, "{dtype:?}");
@@ -425,7 +419,7 @@ fn a_file_without_metadata_keeps_the_module_activation() {
 #[test]
 fn saving_is_atomic_and_never_loses_a_file() {
     let device = device();
-    let dir = tempdir("atomic");
+    let dir = scratch("persist-atomic");
     let path = dir.join("ffn.safetensors");
     let first = FeedForwardConfig::new(4, 8).init(&device);
     let second = FeedForwardConfig::new(4, 8).init(&device);

@@ -58,6 +58,23 @@ pub fn device(name: Option<&str>) -> Result<Device> {
     Ok(device.autodiff())
 }
 
+/// A device as a person reads it: `flex (CPU)`, `wgpu (GPU)`, `cuda (NVIDIA GPU)`.
+pub fn describe(device: &Device) -> String {
+    // burn names the backend only in the device's Debug form.
+    let debug = format!("{device:?}");
+    let kind = [
+        ("Flex", "flex (CPU)"),
+        ("NdArray", "ndarray (CPU)"),
+        ("Cuda", "cuda (NVIDIA GPU)"),
+        ("Wgpu", "wgpu (GPU)"),
+        ("Vulkan", "vulkan (GPU)"),
+        ("Metal", "metal (GPU)"),
+    ]
+    .into_iter()
+    .find(|(tag, _)| debug.contains(tag));
+    kind.map_or(debug, |(_, name)| name.to_string())
+}
+
 /// The wgpu device, initialised once per process (burn's runtime cannot be initialised twice):
 /// an error naming the cause when no adapter can be had.
 #[cfg(feature = "wgpu")]

@@ -11,6 +11,10 @@
 //!   and the step, so the state is the pair), the partial training-loss average of the current
 //!   logging interval, the best validation loss, and a fingerprint of the run's config.
 //!
+//! Nothing in a checkpoint depends on the wall clock or on the process that wrote it (the
+//! parameter ids are numbered, see [`crate::model::number_params`]): a run killed and resumed
+//! any number of times ends with the same bytes as a run in one go.
+//!
 //! A checkpoint is written to a hidden temporary folder that is renamed into place only when
 //! complete, so a run killed at any moment (even by `kill -9`) leaves complete checkpoints
 //! only; the oldest are deleted beyond `keep_checkpoints`.
@@ -38,8 +42,6 @@ pub struct State {
     pub best_valid: Option<(f64, usize)>,
     /// Tokens (or samples) trained on so far.
     pub tokens: u64,
-    /// Seconds of training so far (wall clock, evaluations included).
-    pub elapsed_s: f64,
     /// Fingerprint of the run's `config.toml`, to refuse a checkpoint of another config.
     pub config_fingerprint: String,
 }
@@ -55,10 +57,7 @@ pub struct RngState {
 
 /// FNV-1a of a config text, as 16 hex digits.
 pub fn fingerprint(text: &str) -> String {
-    let hash = text.bytes().fold(0xCBF2_9CE4_8422_2325u64, |h, b| {
-        (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01B3)
-    });
-    format!("{hash:016x}")
+    format!("{:016x}", crate::rng::fnv1a(text.as_bytes()))
 }
 
 /// SHA-256 of `bytes`, as 64 hex digits.
@@ -155,9 +154,14 @@ pub fn save(
         .save_file(&model_path)
         .map_err(record_error(model_path.clone()))?;
     let optim_path = tmp.join("optim.bpk");
-    optim
-        .save(&optim_path)
+    // burn writes the moments in the order of a hash map, a different order in each process;
+    // read back, they come in the order of their names, and written again, so do the bytes.
+    let canonical = optim
+        .into_bytes()
+        .and_then(burn::optim::OptimizerRecord::from_bytes)
+        .and_then(burn::optim::OptimizerRecord::into_bytes)
         .map_err(record_error(optim_path.clone()))?;
+    fs::write(&optim_path, &*canonical).map_err(Error::io(&optim_path))?;
     let state_path = tmp.join("state.json");
     let json = serde_json::to_string_pretty(state).expect("state serialises");
     fs::write(&state_path, json).map_err(Error::io(&state_path))?;

@@ -79,6 +79,7 @@ impl Default for MarkovConfig {
 
 /// Tokenisation of a text file.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
 #[serde(rename_all = "snake_case")]
 pub enum TextLevel {
     /// One token per byte (256 symbols): any file.
@@ -107,6 +108,18 @@ pub struct TextConfig {
 
 fn default_valid_fraction() -> f64 {
     0.1
+}
+
+impl Default for TextConfig {
+    /// No file (`path` empty: set it), bytes, the defaults of a TOML `[task]` table.
+    fn default() -> Self {
+        Self {
+            path: PathBuf::new(),
+            level: TextLevel::default(),
+            valid_fraction: default_valid_fraction(),
+            seq_len: default_seq_len(),
+        }
+    }
 }
 
 fn default_seq_len() -> usize {
@@ -437,16 +450,36 @@ impl Default for TrainSettings {
 impl TrainConfig {
     /// Reads a TOML config file and applies `--set key=value` overrides.
     pub fn load(path: &Path, overrides: &[String]) -> Result<Self> {
+        Self::load_with(path, None, overrides)
+    }
+
+    /// [`load`](Self::load), with the file's `[task]` replaced by `task` if given (before the
+    /// overrides, which may then refine it: `--text FILE --set task.seq_len=32`).
+    pub fn load_with(path: &Path, task: Option<TaskConfig>, overrides: &[String]) -> Result<Self> {
         let text = ffn_model::reader::read_text(path, ffn_model::reader::MAX_CONFIG_FILE)
             .map_err(Error::io(path))?;
-        Self::from_toml(&text, overrides)
+        Self::from_toml_with(&text, task, overrides)
             .map_err(|e| Error::Config(format!("{}: {e}", path.display())))
     }
 
     /// Parses TOML, applies overrides, validates.
     pub fn from_toml(text: &str, overrides: &[String]) -> Result<Self> {
+        Self::from_toml_with(text, None, overrides)
+    }
+
+    /// [`from_toml`](Self::from_toml), with the `[task]` replaced by `task` if given.
+    pub fn from_toml_with(
+        text: &str,
+        task: Option<TaskConfig>,
+        overrides: &[String],
+    ) -> Result<Self> {
         let mut table: toml::Table =
             toml::from_str(text).map_err(|e| Error::Config(toml_error(text, &e)))?;
+        if let Some(task) = task {
+            let value = toml::Value::try_from(task)
+                .map_err(|e| Error::Config(format!("the task cannot be written as TOML: {e}")))?;
+            table.insert("task".into(), value);
+        }
         for assignment in overrides {
             apply_override(&mut table, assignment)?;
         }
@@ -779,7 +812,7 @@ fn available_memory() -> Option<u64> {
 }
 
 /// Bytes as a person reads them: `3.2 GiB`.
-pub(crate) fn bytes(b: u128) -> String {
+pub fn bytes(b: u128) -> String {
     let units = ["B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
     let mut value = b as f64;
     let mut unit = 0;

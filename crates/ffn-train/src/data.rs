@@ -13,6 +13,8 @@
 //!   a smooth map `sin(A x + b)`. The Bayes-optimal predictor is `f` itself, with mean squared
 //!   error `σ²`.
 
+use std::path::Path;
+
 use burn::module::Module;
 use burn::tensor::{Device, Distribution, Int, Tensor, TensorData};
 use ffn_model::{FeedForward, FeedForwardConfig};
@@ -49,6 +51,8 @@ pub struct MarkovSource {
     stationary_cdf: Vec<f64>,
     /// `Σ |πP − π|` at the last power iteration: below 10⁻¹⁵ when it converged.
     residual: f64,
+    /// What a cached `π` must be of: the seed and the chain's config.
+    key: String,
 }
 
 /// The work the power iteration for `π` may do, in multiply-adds (a few seconds): a nearly
@@ -78,9 +82,98 @@ fn cumulative(p: &[f64]) -> Vec<f64> {
     cdf
 }
 
+/// The start of a cached stationary distribution (`markov.bin` in a run folder): this tag, a
+/// key of the chain, the number of contexts, the residual and `π`, all little-endian, then the
+/// SHA-256 (hex) of everything before it.
+const CACHE_TAG: &[u8; 8] = b"ffn-pi\0\x01";
+
+/// `π` of the context chain `probs` (`contexts × v`) by power iteration, within a bounded
+/// amount of work, with the residual `Σ |πP − π|` of the last iteration. Prints its progress to
+/// stderr when it takes more than a second.
+fn solve(probs: &[f64], v: usize, contexts: usize) -> (Vec<f64>, f64) {
+    let mut stationary = vec![1.0 / contexts as f64; contexts];
+    let iterations = (POWER_ITERATION_WORK / (contexts * v)).clamp(64, 100_000);
+    let start = std::time::Instant::now();
+    let mut shown = 0;
+    let mut residual = f64::INFINITY;
+    for i in 0..iterations {
+        let seconds = start.elapsed().as_secs();
+        if seconds > shown {
+            shown = seconds;
+            eprint!(
+                "\rcomputing the Markov source's stationary distribution: iteration {i} of at \
+                 most {iterations}"
+            );
+        }
+        let mut next = vec![0.0; contexts];
+        for c in 0..contexts {
+            for s in 0..v {
+                next[(c * v + s) % contexts] += stationary[c] * probs[c * v + s];
+            }
+        }
+        let change: f64 = next
+            .iter()
+            .zip(&stationary)
+            .map(|(a, b)| (a - b).abs())
+            .sum();
+        stationary = next;
+        residual = change;
+        if change < 1e-15 {
+            break;
+        }
+    }
+    if shown > 0 {
+        eprintln!();
+    }
+    (stationary, residual)
+}
+
+/// The bytes of a `markov.bin` (see [`CACHE_TAG`]).
+fn cache_bytes(key: &str, (stationary, residual): &(Vec<f64>, f64)) -> Vec<u8> {
+    let mut bytes = CACHE_TAG.to_vec();
+    bytes.extend_from_slice(key.as_bytes());
+    bytes.extend_from_slice(&(stationary.len() as u64).to_le_bytes());
+    bytes.extend_from_slice(&residual.to_le_bytes());
+    for p in stationary {
+        bytes.extend_from_slice(&p.to_le_bytes());
+    }
+    let sum = crate::checkpoint::sha256(&bytes);
+    bytes.extend_from_slice(sum.as_bytes());
+    bytes
+}
+
+/// The cached `(π, residual)` in `path`, if it is intact and of the chain `key`.
+fn read_cache(path: &Path, key: &str, contexts: usize) -> Option<(Vec<f64>, f64)> {
+    let expected = CACHE_TAG.len() + key.len() + 16 + 8 * contexts + 64;
+    let bytes = ffn_model::reader::read_regular(path, expected as u64).ok()?;
+    let (body, sum) = bytes.split_at_checked(expected - 64)?;
+    if bytes.len() != expected || crate::checkpoint::sha256(body).as_bytes() != sum {
+        return None;
+    }
+    let rest = bytes
+        .strip_prefix(CACHE_TAG)?
+        .strip_prefix(key.as_bytes())?;
+    let word = |i: usize| <[u8; 8]>::try_from(&rest[8 * i..8 * i + 8]).expect("8 bytes");
+    if u64::from_le_bytes(word(0)) != contexts as u64 {
+        return None;
+    }
+    let residual = f64::from_le_bytes(word(1));
+    let stationary: Vec<f64> = (0..contexts)
+        .map(|c| f64::from_le_bytes(word(2 + c)))
+        .collect();
+    Some((stationary, residual))
+}
+
 impl MarkovSource {
-    /// Draws the chain from the run's seed.
+    /// Draws the chain from the run's seed and solves for its stationary distribution.
     pub fn new(config: &MarkovConfig, seed: u64) -> Self {
+        Self::cached(config, seed, None)
+    }
+
+    /// [`new`](Self::new), with `π` read from the file `cache` when it holds this chain's (a run
+    /// folder's `markov.bin`), else solved and written there (atomically; a folder that cannot
+    /// be written is no error): a resumed run, `eval` and `sample` do not solve again.
+    pub fn cached(config: &MarkovConfig, seed: u64, cache: Option<&Path>) -> Self {
         let (v, k) = (config.vocab_size, config.order);
         let contexts = v.pow(k as u32);
         let mut rng = Rng::stream(seed, "markov", 0);
@@ -101,42 +194,20 @@ impl MarkovSource {
             }
         }
         let cdf = probs.chunks(v).flat_map(cumulative).collect();
-
-        // π by power iteration on the context chain, within a bounded amount of work.
-        let mut stationary = vec![1.0 / contexts as f64; contexts];
-        let iterations = (POWER_ITERATION_WORK / (contexts * v)).clamp(64, 100_000);
-        let start = std::time::Instant::now();
-        let mut shown = 0;
-        let mut residual = f64::INFINITY;
-        for i in 0..iterations {
-            let seconds = start.elapsed().as_secs();
-            if seconds > shown {
-                shown = seconds;
-                eprint!(
-                    "\rcomputing the Markov source's stationary distribution: iteration {i} of at \
-                     most {iterations}"
-                );
-            }
-            let mut next = vec![0.0; contexts];
-            for c in 0..contexts {
-                for s in 0..v {
-                    next[(c * v + s) % contexts] += stationary[c] * probs[c * v + s];
+        let key = crate::checkpoint::fingerprint(&format!(
+            "{seed} {v} {k} {} {:e}",
+            config.support, config.smoothing
+        ));
+        let (stationary, residual) = match cache.and_then(|path| read_cache(path, &key, contexts)) {
+            Some(solved) => solved,
+            None => {
+                let solved = solve(&probs, v, contexts);
+                if let Some(path) = cache {
+                    let _ = crate::run::write_atomically(path, &cache_bytes(&key, &solved));
                 }
+                solved
             }
-            let change: f64 = next
-                .iter()
-                .zip(&stationary)
-                .map(|(a, b)| (a - b).abs())
-                .sum();
-            stationary = next;
-            residual = change;
-            if change < 1e-15 {
-                break;
-            }
-        }
-        if shown > 0 {
-            eprintln!();
-        }
+        };
         let stationary_cdf = cumulative(&stationary);
         Self {
             vocab_size: v,
@@ -146,7 +217,14 @@ impl MarkovSource {
             stationary,
             stationary_cdf,
             residual,
+            key,
         }
+    }
+
+    /// Writes `π` to `path` for [`cached`](Self::cached) to read.
+    pub fn write_cache(&self, path: &Path) -> Result<()> {
+        let solved = (self.stationary.clone(), self.residual);
+        crate::run::write_atomically(path, &cache_bytes(&self.key, &solved))
     }
 
     /// Whether the stationary distribution `π` converged (to `Σ |πP − π| < 10⁻¹⁵`); when not,
@@ -221,6 +299,16 @@ impl MarkovSource {
         }
         out
     }
+}
+
+/// The tokeniser a run wrote when it started, its `vocab.json`.
+pub fn read_vocab(run: &Path) -> Result<Vocab> {
+    let path = run.join(crate::run::VOCAB);
+    let text = ffn_model::reader::read_text(&path, 64 << 20).map_err(Error::io(&path))?;
+    serde_json::from_str(&text).map_err(|e| Error::Checkpoint {
+        path,
+        message: format!("corrupt: {e}"),
+    })
 }
 
 /// Token ↔ text.
@@ -315,8 +403,9 @@ pub struct TextCorpus {
 }
 
 impl TextCorpus {
-    /// Reads and splits the file.
-    pub fn load(config: &TextConfig) -> Result<Self> {
+    /// Reads and splits the file, tokenised with `vocab` if given (a run's own), else with the
+    /// file's own characters.
+    pub fn load(config: &TextConfig, vocab: Option<Vocab>) -> Result<Self> {
         let path = &config.path;
         let bytes = ffn_model::reader::read_regular(path, MAX_TEXT).map_err(Error::io(path))?;
         let data_error = |message: String| Error::Data {
@@ -327,7 +416,15 @@ impl TextCorpus {
             return Err(data_error("the file is empty".into()));
         }
         let (tokens, vocab) = match config.level {
-            TextLevel::Byte => (bytes.iter().map(|&b| u32::from(b)).collect(), Vocab::Bytes),
+            TextLevel::Byte if matches!(vocab, None | Some(Vocab::Bytes)) => {
+                (bytes.iter().map(|&b| u32::from(b)).collect(), Vocab::Bytes)
+            }
+            TextLevel::Byte => {
+                return Err(data_error(
+                    "the run's vocab.json is not a byte vocabulary; the run folder was edited"
+                        .into(),
+                ));
+            }
             TextLevel::Char => {
                 let text = String::from_utf8(bytes).map_err(|e| {
                     data_error(format!(
@@ -335,11 +432,13 @@ impl TextCorpus {
                         e.utf8_error().valid_up_to()
                     ))
                 })?;
-                let mut chars: Vec<char> = text.chars().collect();
-                chars.sort_unstable();
-                chars.dedup();
-                let vocab = Vocab::Chars { chars };
-                (vocab.encode(&text).expect("every char is in"), vocab)
+                let vocab = vocab.unwrap_or_else(|| {
+                    let mut chars: Vec<char> = text.chars().collect();
+                    chars.sort_unstable();
+                    chars.dedup();
+                    Vocab::Chars { chars }
+                });
+                (vocab.encode(&text).map_err(data_error)?, vocab)
             }
         };
         let tokens: Vec<u32> = tokens;
@@ -483,16 +582,33 @@ pub enum Task {
 impl Task {
     /// Builds the task of a config on `device` (teacher and map weights live there).
     pub fn new(config: &TrainConfig, device: &Device) -> Result<Self> {
+        Self::build(config, device, None)
+    }
+
+    /// The task of the run in folder `run`: a Markov source's `π` comes from the folder's
+    /// `markov.bin` (solved and cached there when missing or damaged), and a text file is
+    /// tokenised with the run's `vocab.json`.
+    pub fn of_run(config: &TrainConfig, device: &Device, run: &Path) -> Result<Self> {
+        Self::build(config, device, Some(run))
+    }
+
+    fn build(config: &TrainConfig, device: &Device, run: Option<&Path>) -> Result<Self> {
         let seed = config.seed;
         Ok(match &config.task {
-            TaskConfig::Markov(m) => Task::Language {
-                source: Language::Markov(MarkovSource::new(m, seed)),
-                seq_len: m.seq_len,
-            },
-            TaskConfig::Text(t) => Task::Language {
-                source: Language::Text(TextCorpus::load(t)?),
-                seq_len: t.seq_len,
-            },
+            TaskConfig::Markov(m) => {
+                let cache = run.map(|run| run.join(crate::run::MARKOV));
+                Task::Language {
+                    source: Language::Markov(MarkovSource::cached(m, seed, cache.as_deref())),
+                    seq_len: m.seq_len,
+                }
+            }
+            TaskConfig::Text(t) => {
+                let vocab = run.map(read_vocab).transpose()?;
+                Task::Language {
+                    source: Language::Text(TextCorpus::load(t, vocab)?),
+                    seq_len: t.seq_len,
+                }
+            }
             TaskConfig::Teacher(t) => {
                 let student = config.ffn()?;
                 let d = student.d_model;
@@ -674,6 +790,49 @@ mod tests {
             },
             7,
         )
+    }
+
+    /// `π` is solved once and read back from the cache, which is ignored (and rewritten) when
+    /// damaged or of another chain.
+    #[test]
+    fn the_stationary_distribution_is_cached() {
+        let dir = std::env::temp_dir().join(format!("ffn-markov-cache-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("markov.bin");
+        let config = |smoothing| MarkovConfig {
+            vocab_size: 4,
+            order: 2,
+            support: 2,
+            smoothing,
+            seq_len: 8,
+        };
+        let fresh = MarkovSource::new(&config(0.1), 5);
+        let solved = MarkovSource::cached(&config(0.1), 5, Some(&path));
+        let written = std::fs::read(&path).unwrap();
+        let read = MarkovSource::cached(&config(0.1), 5, Some(&path));
+        assert_eq!(solved.stationary, fresh.stationary);
+        assert_eq!(read.stationary, fresh.stationary);
+        assert_eq!(read.residual, fresh.residual);
+        // A cache with `π` edited is passed over: its checksum fails.
+        let mut edited = written.clone();
+        let at = CACHE_TAG.len() + read.key.len() + 16;
+        edited[at] ^= 1;
+        std::fs::write(&path, &edited).unwrap();
+        let again = MarkovSource::cached(&config(0.1), 5, Some(&path));
+        assert_eq!(again.stationary, fresh.stationary);
+        assert_eq!(std::fs::read(&path).unwrap(), written);
+        // Another chain (seed or config) does not take this one's `π`.
+        let other = MarkovSource::cached(&config(0.2), 5, Some(&path));
+        assert_eq!(
+            other.stationary,
+            MarkovSource::new(&config(0.2), 5).stationary
+        );
+        let other = MarkovSource::cached(&config(0.1), 6, Some(&path));
+        assert_eq!(
+            other.stationary,
+            MarkovSource::new(&config(0.1), 6).stationary
+        );
+        std::fs::remove_dir_all(dir).unwrap();
     }
 
     #[test]

@@ -4,6 +4,7 @@ use std::path::PathBuf;
 
 /// An error of `ffn-train`.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum Error {
     /// The FFN part of a config is invalid.
     #[error("{context}: {source}")]

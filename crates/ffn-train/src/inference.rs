@@ -1,27 +1,32 @@
 //! # Using a trained run: evaluation and sampling
 //!
-//! Both load the newest checkpoint of a run folder into the model its `config.toml` describes.
+//! Both load the newest good checkpoint of a run folder into the model its `config.toml`
+//! describes. Evaluation rebuilds the task (its validation batches); sampling needs only the
+//! run's `vocab.json`.
 
 use std::path::{Path, PathBuf};
 
 use burn::module::Module;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 
-use crate::data::Vocab;
 use crate::model::Model;
 use crate::rng::Rng;
-use crate::training::{evaluate, load_latest_good};
+use crate::training::{evaluate, load_at, load_language_model, load_latest_good};
 use crate::{Error, Result};
 
-/// The validation loss of a trained run.
-#[derive(Debug, Clone, PartialEq)]
+/// The validation loss of a trained run (`eval --json` prints it).
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct Evaluation {
     /// Steps the checkpoint had trained.
     pub step: usize,
     /// Mean validation loss.
     pub loss: f64,
+    /// Validation batches it is the mean over.
+    pub batches: usize,
     /// The optimum, when known.
     pub optimal_loss: Option<f64>,
+    /// `loss − optimal_loss`, when the optimum is known.
+    pub gap: Option<f64>,
     /// The checkpoint evaluated.
     pub checkpoint: PathBuf,
     /// What the user should know: newer checkpoints passed over (corrupt or incomplete), an
@@ -29,12 +34,25 @@ pub struct Evaluation {
     pub warnings: Vec<String>,
 }
 
-/// Evaluates the newest checkpoint of `run` on `batches` validation batches.
-pub fn evaluate_run(run: &Path, device: &Device, batches: usize) -> Result<Evaluation> {
+/// Evaluates a checkpoint of `run` on `batches` validation batches: the folder `checkpoint`
+/// (see [`checkpoint_named`](crate::training::checkpoint_named)) if given, else the newest
+/// good one.
+pub fn evaluate_run(
+    run: &Path,
+    device: &Device,
+    batches: usize,
+    checkpoint: Option<&Path>,
+) -> Result<Evaluation> {
     if batches == 0 {
         return Err(Error::Config("--batches must be at least 1".into()));
     }
-    let (loaded, state, checkpoint, mut warnings) = load_latest_good(run, device, false)?;
+    let (loaded, state, checkpoint, mut warnings) = match checkpoint {
+        Some(chosen) => {
+            let (loaded, state) = load_at(run, device, chosen)?;
+            (loaded, state, chosen.to_path_buf(), Vec::new())
+        }
+        None => load_latest_good(run, device, false)?,
+    };
     warnings.extend(loaded.task.warning());
     let config = &loaded.config;
     config.check_memory(batches)?;
@@ -43,10 +61,14 @@ pub fn evaluate_run(run: &Path, device: &Device, batches: usize) -> Result<Evalu
         loaded
             .task
             .valid_batches(config.seed, batches, config.train.batch_size, &eval_device);
+    let loss = evaluate(&loaded.model, &valid);
+    let optimal_loss = loaded.task.optimal_loss();
     Ok(Evaluation {
         step: state.step,
-        loss: evaluate(&loaded.model, &valid),
-        optimal_loss: loaded.task.optimal_loss(),
+        loss,
+        batches,
+        optimal_loss,
+        gap: optimal_loss.map(|o| loss - o),
         checkpoint,
         warnings,
     })
@@ -65,6 +87,8 @@ pub struct SampleOptions {
     pub top_k: Option<usize>,
     /// Seed of the sampling stream.
     pub seed: u64,
+    /// The checkpoint folder to sample from (default: the newest good one).
+    pub checkpoint: Option<PathBuf>,
 }
 
 /// The most tokens one `sample` call generates.
@@ -94,29 +118,13 @@ pub fn sample(
     if options.top_k == Some(0) {
         return Err(Error::Config("--top-k must be at least 1".into()));
     }
-    let (loaded, _, _, warnings) = load_latest_good(run, device, false)?;
-    let vocab: Vocab = loaded.task.vocab().ok_or_else(|| {
-        Error::Config("`sample` needs a language-model run; this one is a regression".into())
-    })?;
-    // The run's own tokeniser, as written when it started.
-    let path = run.join(crate::run::VOCAB);
-    let text = std::fs::read_to_string(&path).map_err(Error::io(&path))?;
-    let recorded: Vocab = serde_json::from_str(&text).map_err(|e| Error::Checkpoint {
-        path: path.clone(),
-        message: format!("corrupt: {e}"),
-    })?;
-    if recorded != vocab {
-        return Err(Error::Checkpoint {
-            path,
-            message: "the run's vocabulary differs from its task's; the run folder was edited"
-                .into(),
-        });
-    }
+    // The run's own tokeniser, as written when it started: no corpus is read.
+    let (model, vocab, warnings) = load_language_model(run, device, options.checkpoint.as_deref())?;
     let mut tokens = vocab.encode(&options.prompt).map_err(Error::Config)?;
     if tokens.is_empty() {
         tokens.push(0);
     }
-    let model: Model = loaded.model.valid();
+    let model: Model = model.valid();
     let max_context = model.max_context().unwrap_or(usize::MAX);
     let device = device.clone().inner();
     let mut rng = Rng::stream(options.seed, "sample", 0);
@@ -188,6 +196,7 @@ mod tests {
             temperature,
             top_k,
             seed: 0,
+            checkpoint: None,
         }
     }
 

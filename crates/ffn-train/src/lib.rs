@@ -32,6 +32,6 @@ pub use config::TrainConfig;
 pub use error::{Error, Result};
 pub use training::Trainer;
 
-/// The built-in default config (`configs/default.toml`): a small SwiGLU transformer on a
-/// synthetic language.
-pub const DEFAULT_CONFIG: &str = include_str!("../../../configs/default.toml");
+/// The built-in default config: a small SwiGLU transformer on a synthetic language
+/// (`crates/ffn-train/configs/default.toml`; the repository's `configs/default.toml` links to it).
+pub const DEFAULT_CONFIG: &str = include_str!("../configs/default.toml");

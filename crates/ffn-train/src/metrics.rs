@@ -1,16 +1,22 @@
 //! # Metrics, progress and the run summary
 //!
 //! Every logged value goes to `metrics.jsonl` (one JSON object a line) and `metrics.csv`, each
-//! line flushed as it is written. On a terminal a live bar shows step, losses, gap to the
-//! optimum, tokens/s and ETA; otherwise (a pipe, a log file, CI) plain lines are printed at
-//! each evaluation.
+//! line flushed as it is written. They hold only what the run computes, a function of its
+//! config and seed: a run resumed after any number of kills writes the same bytes as a run in
+//! one go. The wall clock (tokens/s, elapsed time) goes to `timing.jsonl` beside them.
+//!
+//! On a terminal a live bar shows step, losses, gap to the optimum, tokens/s and ETA; otherwise
+//! (a pipe, a log file, CI) plain lines are printed at each evaluation.
 
 use std::fs::{self, File, OpenOptions};
-use std::io::{IsTerminal, Write};
+#[cfg(feature = "cli")]
+use std::io::IsTerminal;
+use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::time::Duration;
 
+#[cfg(feature = "cli")]
 use indicatif::{ProgressBar, ProgressStyle};
+use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 use crate::{Error, Result};
@@ -30,21 +36,58 @@ pub struct Record {
     /// The learning rate of the step (training records).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub lr: Option<f64>,
-    /// Training throughput over the interval (training records).
+}
+
+/// The wall clock at one logged moment, a line of `timing.jsonl`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Timing {
+    /// Steps completed.
+    pub step: usize,
+    /// `train` (a training record was logged), `valid` (an evaluation ended) or `checkpoint`
+    /// (one is about to be written: a resumed run's clock starts from its `elapsed_s`).
+    pub event: String,
+    /// Training throughput since the previous `train` line, evaluations excluded (at `train`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tokens_per_s: Option<f64>,
-    /// Seconds since the run started.
+    /// Seconds of the run so far (its resumed parts added up).
     pub elapsed_s: f64,
 }
 
-const CSV_HEADER: &str = "step,kind,loss,gap,lr,tokens_per_s,elapsed_s";
+const CSV_HEADER: &str = "step,kind,loss,gap,lr";
 
 /// The metrics files of a run, open for appending.
 #[derive(Debug)]
 pub struct Metrics {
-    jsonl: File,
-    csv: File,
-    jsonl_path: PathBuf,
+    jsonl: Log,
+    csv: Log,
+    timing: Log,
+    elapsed_s: f64,
+}
+
+/// A file open for appending whole lines.
+#[derive(Debug)]
+struct Log {
+    file: File,
+    path: PathBuf,
+}
+
+impl Log {
+    /// Rewrites `path` atomically with `text`, then opens it for appending.
+    fn open(path: PathBuf, text: &str) -> Result<Self> {
+        crate::run::write_atomically(&path, text.as_bytes())?;
+        let file = OpenOptions::new()
+            .append(true)
+            .open(&path)
+            .map_err(Error::io(&path))?;
+        Ok(Self { file, path })
+    }
+
+    fn append(&mut self, line: &str) -> Result<()> {
+        self.file
+            .write_all(line.as_bytes())
+            .and_then(|_| self.file.flush())
+            .map_err(Error::io(&self.path))
+    }
 }
 
 fn opt(v: Option<f64>) -> String {
@@ -52,72 +95,87 @@ fn opt(v: Option<f64>) -> String {
 }
 
 impl Metrics {
-    /// Opens (creating) the metrics files of `run`, keeping only records up to `keep_until`
+    /// Opens (creating) the metrics files of `run`, keeping only lines up to `keep_until`
     /// steps: what a resumed run will write again is dropped, and so is a line cut short by a
-    /// killed process.
+    /// killed process. Kept lines are copied as they were, never re-serialised.
     pub fn open(run: &Path, keep_until: usize) -> Result<Self> {
         let jsonl_path = run.join(crate::run::METRICS_JSONL);
-        let csv_path = run.join(crate::run::METRICS_CSV);
-        // Kept lines are copied as they were, never re-serialised.
+        let timing_path = run.join(crate::run::TIMING);
         let mut jsonl_text = String::new();
         let mut csv_text = format!("{CSV_HEADER}\n");
-        for (line, r) in read_lines(&jsonl_path)? {
+        for (line, r) in read_lines::<Record>(&jsonl_path, "metrics record")? {
             if r.step <= keep_until {
                 jsonl_text += &line;
                 jsonl_text.push('\n');
                 csv_text += &csv_line(&r);
             }
         }
-        crate::run::write_atomically(&jsonl_path, jsonl_text.as_bytes())?;
-        crate::run::write_atomically(&csv_path, csv_text.as_bytes())?;
-        let append = |path: &Path| {
-            OpenOptions::new()
-                .append(true)
-                .open(path)
-                .map_err(Error::io(path))
-        };
+        let mut timing_text = String::new();
+        let mut elapsed_s = 0.0;
+        for (line, t) in read_lines::<Timing>(&timing_path, "timing record")? {
+            if t.step <= keep_until {
+                timing_text += &line;
+                timing_text.push('\n');
+                elapsed_s = t.elapsed_s;
+            }
+        }
         Ok(Self {
-            jsonl: append(&jsonl_path)?,
-            csv: append(&csv_path)?,
-            jsonl_path,
+            jsonl: Log::open(jsonl_path, &jsonl_text)?,
+            csv: Log::open(run.join(crate::run::METRICS_CSV), &csv_text)?,
+            timing: Log::open(timing_path, &timing_text)?,
+            elapsed_s,
         })
     }
 
-    /// Appends a record to both files.
+    /// The run's clock at the last kept line of `timing.jsonl`: where a resumed run's starts.
+    pub fn elapsed_s(&self) -> f64 {
+        self.elapsed_s
+    }
+
+    /// Appends a record to `metrics.jsonl` and `metrics.csv`.
     pub fn write(&mut self, record: &Record) -> Result<()> {
-        let line = serde_json::to_string(record).expect("record serialises") + "\n";
         self.jsonl
-            .write_all(line.as_bytes())
-            .and_then(|_| self.jsonl.flush())
-            .map_err(Error::io(&self.jsonl_path))?;
-        self.csv
-            .write_all(csv_line(record).as_bytes())
-            .and_then(|_| self.csv.flush())
-            .map_err(Error::io(&self.jsonl_path))
+            .append(&(serde_json::to_string(record).expect("record serialises") + "\n"))?;
+        self.csv.append(&csv_line(record))
+    }
+
+    /// Appends a line to `timing.jsonl`.
+    pub fn time(&mut self, timing: &Timing) -> Result<()> {
+        self.timing
+            .append(&(serde_json::to_string(timing).expect("timing serialises") + "\n"))
     }
 }
 
 fn csv_line(r: &Record) -> String {
     format!(
-        "{},{},{},{},{},{},{}\n",
+        "{},{},{},{},{}\n",
         r.step,
         r.kind,
         r.loss,
         opt(r.gap),
-        opt(r.lr),
-        opt(r.tokens_per_s),
-        r.elapsed_s
+        opt(r.lr)
     )
 }
 
 /// The records of a `metrics.jsonl`. A last line cut short (by a process killed while writing
 /// it) is dropped; any other line that is not a record is an error, never silently deleted.
 pub fn read_records(path: &Path) -> Result<Vec<Record>> {
-    Ok(read_lines(path)?.into_iter().map(|(_, r)| r).collect())
+    Ok(read_lines(path, "metrics record")?
+        .into_iter()
+        .map(|(_, r)| r)
+        .collect())
 }
 
-/// [`read_records`] with each record's line as written.
-fn read_lines(path: &Path) -> Result<Vec<(String, Record)>> {
+/// The lines of a `timing.jsonl`, read as [`read_records`] reads metrics.
+pub fn read_timings(path: &Path) -> Result<Vec<Timing>> {
+    Ok(read_lines(path, "timing record")?
+        .into_iter()
+        .map(|(_, t)| t)
+        .collect())
+}
+
+/// The JSON lines of a file, each with its text as written.
+fn read_lines<T: DeserializeOwned>(path: &Path, what: &str) -> Result<Vec<(String, T)>> {
     if !path.exists() {
         return Ok(Vec::new());
     }
@@ -137,7 +195,7 @@ fn read_lines(path: &Path) -> Result<Vec<(String, Record)>> {
                 return Err(Error::Data {
                     path: path.to_path_buf(),
                     message: format!(
-                        "line {} is not a metrics record ({e}); the file was edited or damaged: \
+                        "line {} is not a {what} ({e}); the file was edited or damaged: \
                          restore it, or remove that line to continue",
                         i + 1
                     ),
@@ -183,19 +241,23 @@ pub struct Summary {
 
 /// How progress is shown.
 #[derive(Debug)]
+#[non_exhaustive]
 pub enum Progress {
-    /// A live bar (stdout is a terminal).
+    /// A live bar on stderr (feature `cli`).
+    #[cfg(feature = "cli")]
     Bar(ProgressBar),
-    /// A plain line at each evaluation (stdout is not a terminal).
+    /// A plain line on stdout at each evaluation.
     Lines,
     /// Nothing (library use, tests).
     Silent,
 }
 
 impl Progress {
-    /// A bar on a terminal, plain lines otherwise.
+    /// A bar when stderr (where it draws) is a terminal, plain lines otherwise (a pipe, a log
+    /// file, CI); plain lines without the feature `cli`.
     pub fn auto(total_steps: usize) -> Self {
-        if std::io::stdout().is_terminal() {
+        #[cfg(feature = "cli")]
+        if std::io::stderr().is_terminal() {
             let bar = ProgressBar::new(total_steps as u64);
             bar.set_style(
                 ProgressStyle::with_template(
@@ -203,16 +265,17 @@ impl Progress {
                 )
                 .expect("valid template"),
             );
-            bar.enable_steady_tick(Duration::from_millis(250));
-            Progress::Bar(bar)
-        } else {
-            Progress::Lines
+            bar.enable_steady_tick(std::time::Duration::from_millis(250));
+            return Progress::Bar(bar);
         }
+        let _ = total_steps;
+        Progress::Lines
     }
 
     /// Shows the state after `step` steps; `line` is set at evaluations.
     pub fn update(&self, step: usize, message: &str, evaluation: bool) {
         match self {
+            #[cfg(feature = "cli")]
             Progress::Bar(bar) => {
                 bar.set_position(step as u64);
                 bar.set_message(message.to_string());
@@ -225,6 +288,7 @@ impl Progress {
     /// Prints a line above the bar, or plainly.
     pub fn println(&self, line: &str) {
         match self {
+            #[cfg(feature = "cli")]
             Progress::Bar(bar) => bar.println(line),
             Progress::Lines => println!("{line}"),
             Progress::Silent => {}
@@ -233,6 +297,7 @@ impl Progress {
 
     /// Ends the bar.
     pub fn finish(&self) {
+        #[cfg(feature = "cli")]
         if let Progress::Bar(bar) = self {
             bar.finish();
         }

@@ -9,14 +9,14 @@
 //!   `x + FFN(LN(x))` and a linear head.
 //! - For regression, the [`FeedForward`] itself.
 
-use burn::module::Module;
+use burn::module::{Flag, Module, ModuleMapper, Param, ParamId};
 use burn::nn::attention::{MhaInput, MultiHeadAttention, MultiHeadAttentionConfig};
 use burn::nn::{Embedding, EmbeddingConfig, LayerNorm, LayerNormConfig, Linear, LinearConfig};
 use burn::tensor::{Bool, Device, Int, Tensor};
 use ffn_model::{FeedForward, FeedForwardConfig};
 
-use crate::config::{ModelConfig, TrainConfig};
-use crate::data::{Batch, Task};
+use crate::config::{ModelConfig, TaskConfig, TrainConfig};
+use crate::data::Batch;
 use crate::{Error, Result};
 
 /// A pre-norm transformer block.
@@ -159,6 +159,46 @@ impl WindowLm {
     }
 }
 
+/// Numbers the parameters `1, 2, 3, …` in the model's field order.
+///
+/// burn gives each parameter a random id, which its records store and the optimiser's state is
+/// keyed by: numbered, a checkpoint is the same bytes whichever process wrote it, so a run that
+/// was killed and resumed ends with exactly the files of a run in one go.
+pub fn number_params(model: Model) -> Model {
+    struct Numbering(u64);
+    impl Numbering {
+        fn next(&mut self) -> ParamId {
+            self.0 += 1;
+            ParamId::from(self.0)
+        }
+    }
+    impl ModuleMapper for Numbering {
+        fn map_float<const D: usize>(&mut self, mut param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            param.id = self.next();
+            param
+        }
+        fn map_int<const D: usize>(
+            &mut self,
+            mut param: Param<Tensor<D, Int>>,
+        ) -> Param<Tensor<D, Int>> {
+            param.id = self.next();
+            param
+        }
+        fn map_bool<const D: usize>(
+            &mut self,
+            mut param: Param<Tensor<D, Bool>>,
+        ) -> Param<Tensor<D, Bool>> {
+            param.id = self.next();
+            param
+        }
+        fn map_flag(&mut self, mut flag: Param<Flag>) -> Param<Flag> {
+            flag.id = self.next();
+            flag
+        }
+    }
+    model.map(&mut Numbering(0))
+}
+
 /// The network of a run.
 #[derive(Module, Debug)]
 #[allow(clippy::large_enum_variant)] // one per run; burn's Module derive does not see through a Box
@@ -172,9 +212,10 @@ pub enum Model {
 }
 
 impl Model {
-    /// Builds the model of `config` for `task` on `device`, its weights drawn from the device's
-    /// RNG (seed it first for reproducible initialisation).
-    pub fn new(config: &TrainConfig, task: &Task, device: &Device) -> Result<Self> {
+    /// Builds the model of `config` on `device` for a vocabulary of `vocab_size` tokens (unused
+    /// by regression), its weights drawn from the device's RNG (seed it first for reproducible
+    /// initialisation).
+    pub fn new(config: &TrainConfig, vocab_size: usize, device: &Device) -> Result<Self> {
         let ffn_config: FeedForwardConfig = config.ffn()?;
         let ffn = || {
             ffn_config.try_init(device).map_err(|source| Error::Ffn {
@@ -182,11 +223,10 @@ impl Model {
                 source,
             })
         };
-        let (vocab, seq_len) = match task {
-            Task::Language { seq_len, .. } => {
-                (task.vocab().map(|v| v.len()).unwrap_or_default(), *seq_len)
-            }
-            Task::Regression(_) => (0, 0),
+        let (vocab, seq_len) = match &config.task {
+            TaskConfig::Markov(m) => (vocab_size, m.seq_len),
+            TaskConfig::Text(t) => (vocab_size, t.seq_len),
+            TaskConfig::Teacher(_) | TaskConfig::Sine(_) => (0, 0),
         };
         Ok(match &config.model {
             ModelConfig::Transformer(m) => {
@@ -271,6 +311,7 @@ impl Model {
 mod tests {
     use super::*;
     use crate::config::TrainConfig;
+    use crate::data::Task;
     use burn::tensor::TensorData;
 
     /// A tiny language model of `kind` ("transformer" or "window") with a fixed initialisation.
@@ -292,7 +333,7 @@ mod tests {
         let task = Task::new(&config, &device).unwrap();
         let _guard = INIT.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         device.seed(1);
-        let model = Model::new(&config, &task, &device).unwrap();
+        let model = Model::new(&config, task.vocab().unwrap().len(), &device).unwrap();
         // burn draws a parameter when it is first read, not in `init`: read them all now.
         model.visit(&mut crate::training::Materialize);
         (model, device)

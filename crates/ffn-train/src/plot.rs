@@ -1,8 +1,9 @@
-//! # The loss plot
+//! # The plots
 //!
 //! `loss.svg`: training loss (line), validation loss (line with dots) and the optimum (dashed),
-//! against steps. Plain SVG, written by hand: it opens in any browser and needs no fonts or
-//! native libraries.
+//! against steps. `gap.svg` (when the optimum is known): the gap to the optimum of both, on a
+//! log scale. Plain SVG, written by hand: it opens in any browser and needs no fonts or native
+//! libraries.
 
 use std::fmt::Write;
 
@@ -39,23 +40,84 @@ fn label(v: f64) -> String {
     }
 }
 
-/// The SVG text of the plot.
-pub fn svg(title: &str, records: &[Record], optimum: Option<f64>) -> String {
-    let series = |kind: &str| -> Vec<(f64, f64)> {
-        records
-            .iter()
-            .filter(|r| r.kind == kind && r.loss.is_finite())
-            .map(|r| (r.step as f64, r.loss))
-            .collect()
-    };
-    let (train, valid) = (series("train"), series("valid"));
-    let all: Vec<f64> = train
+/// One line of a chart.
+struct Series {
+    name: String,
+    color: &'static str,
+    width: f64,
+    dots: bool,
+    points: Vec<(f64, f64)>,
+}
+
+/// The `(step, value)` points of the records of `kind`, where `value` gives one.
+fn series(
+    records: &[Record],
+    kind: &str,
+    value: impl Fn(&Record) -> Option<f64>,
+) -> Vec<(f64, f64)> {
+    records
         .iter()
-        .chain(&valid)
-        .map(|p| p.1)
-        .chain(optimum)
+        .filter(|r| r.kind == kind)
+        .filter_map(|r| Some((r.step as f64, value(r)?)))
+        .filter(|p| p.1.is_finite())
+        .collect()
+}
+
+/// The training (line) and validation (line with dots) series of `value`.
+fn train_and_valid(records: &[Record], value: impl Fn(&Record) -> Option<f64>) -> Vec<Series> {
+    vec![
+        Series {
+            name: "train".into(),
+            color: "#3060c0",
+            width: 1.2,
+            dots: false,
+            points: series(records, "train", &value),
+        },
+        Series {
+            name: "validation".into(),
+            color: "#d04020",
+            width: 2.0,
+            dots: true,
+            points: series(records, "valid", &value),
+        },
+    ]
+}
+
+/// `loss.svg`: the losses against steps, with the optimum dashed.
+pub fn svg(title: &str, records: &[Record], optimum: Option<f64>) -> String {
+    let lines = train_and_valid(records, |r| Some(r.loss));
+    let reference = optimum.map(|o| (format!("optimum {}", label(o)), o));
+    chart(title, "loss", &lines, reference, false)
+}
+
+/// `gap.svg`: the gap to the optimum, `loss − optimum`, on a log scale, where the slow last
+/// stretch of training stays visible (on `loss.svg` the first steps' drop flattens it).
+/// Points at or below the optimum (sampling noise) have no logarithm and are left out.
+pub fn gap_svg(title: &str, records: &[Record]) -> String {
+    let lines = train_and_valid(records, |r| r.gap.filter(|g| *g > 0.0));
+    chart(title, "gap to the optimum (log scale)", &lines, None, true)
+}
+
+/// A chart of `lines` against steps, with a dashed horizontal `reference`; on a log10 scale
+/// when `log` (every value must then be positive).
+fn chart(
+    title: &str,
+    y_name: &str,
+    lines: &[Series],
+    reference: Option<(String, f64)>,
+    log: bool,
+) -> String {
+    let scale = |v: f64| if log { v.log10() } else { v };
+    let all: Vec<f64> = lines
+        .iter()
+        .flat_map(|s| s.points.iter().map(|p| scale(p.1)))
+        .chain(reference.as_ref().map(|r| scale(r.1)))
         .collect();
-    let max_step = train.iter().chain(&valid).map(|p| p.0).fold(1.0, f64::max);
+    let max_step = lines
+        .iter()
+        .flat_map(|s| &s.points)
+        .map(|p| p.0)
+        .fold(1.0, f64::max);
     let (mut lo, mut hi) = all
         .iter()
         .fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), &v| {
@@ -67,7 +129,8 @@ pub fn svg(title: &str, records: &[Record], optimum: Option<f64>) -> String {
     let pad = ((hi - lo) * 0.05).max(1e-6);
     let (lo, hi) = (lo - pad, hi + pad);
     let x = |step: f64| LEFT + step / max_step * (WIDTH - LEFT - RIGHT);
-    let y = |loss: f64| TOP + (hi - loss) / (hi - lo) * (HEIGHT - TOP - BOTTOM);
+    // `v` already scaled.
+    let y = |v: f64| TOP + (hi - v) / (hi - lo) * (HEIGHT - TOP - BOTTOM);
 
     let mut out = String::new();
     let _ = writeln!(
@@ -87,7 +150,7 @@ pub fn svg(title: &str, records: &[Record], optimum: Option<f64>) -> String {
         let _ = writeln!(
             out,
             r##"<line x1="{x0}" x2="{x1}" y1="{yy:.1}" y2="{yy:.1}" stroke="#e5e5e5"/><text x="{tx}" y="{ty:.1}" text-anchor="end">{}</text>"##,
-            label(t),
+            label(if log { 10f64.powf(t) } else { t }),
             yy = y(t),
             tx = x0 - 6.0,
             ty = y(t) + 4.0
@@ -110,54 +173,47 @@ pub fn svg(title: &str, records: &[Record], optimum: Option<f64>) -> String {
     );
     let _ = writeln!(
         out,
-        r#"<text x="{}" y="{}" text-anchor="middle">step</text><text x="16" y="{}" text-anchor="middle" transform="rotate(-90 16 {})">loss</text>"#,
+        r#"<text x="{}" y="{}" text-anchor="middle">step</text><text x="16" y="{}" text-anchor="middle" transform="rotate(-90 16 {})">{}</text>"#,
         (x0 + x1) / 2.0,
         HEIGHT - 12.0,
         (y0 + y1) / 2.0,
-        (y0 + y1) / 2.0
+        (y0 + y1) / 2.0,
+        escape(y_name)
     );
-    let polyline = |points: &[(f64, f64)], style: &str| {
-        let pts: Vec<String> = points
-            .iter()
-            .map(|(s, l)| format!("{:.1},{:.1}", x(*s), y(*l)))
-            .collect();
-        format!(
-            r#"<polyline fill="none" {style} points="{}"/>"#,
-            pts.join(" ")
-        )
-    };
     let mut legend = Vec::new();
-    if let Some(opt) = optimum {
+    if let Some((text, value)) = reference {
         let _ = writeln!(
             out,
             r##"<line x1="{x0}" x2="{x1}" y1="{yy:.1}" y2="{yy:.1}" stroke="#2a9d3a" stroke-width="1.5" stroke-dasharray="6 4"/>"##,
-            yy = y(opt)
+            yy = y(scale(value))
         );
-        legend.push(("#2a9d3a", format!("optimum {}", label(opt))));
+        legend.push(("#2a9d3a", text));
     }
-    if !train.is_empty() {
+    for line in lines.iter().filter(|l| !l.points.is_empty()) {
+        let pts: Vec<String> = line
+            .points
+            .iter()
+            .map(|(s, v)| format!("{:.1},{:.1}", x(*s), y(scale(*v))))
+            .collect();
         let _ = writeln!(
             out,
-            "{}",
-            polyline(&train, r##"stroke="#3060c0" stroke-width="1.2""##)
+            r#"<polyline fill="none" stroke="{}" stroke-width="{}" points="{}"/>"#,
+            line.color,
+            line.width,
+            pts.join(" ")
         );
-        legend.push(("#3060c0", "train".to_string()));
-    }
-    if !valid.is_empty() {
-        let _ = writeln!(
-            out,
-            "{}",
-            polyline(&valid, r##"stroke="#d04020" stroke-width="2""##)
-        );
-        for (s, l) in &valid {
-            let _ = writeln!(
-                out,
-                r##"<circle cx="{:.1}" cy="{:.1}" r="2.5" fill="#d04020"/>"##,
-                x(*s),
-                y(*l)
-            );
+        if line.dots {
+            for (s, v) in &line.points {
+                let _ = writeln!(
+                    out,
+                    r#"<circle cx="{:.1}" cy="{:.1}" r="2.5" fill="{}"/>"#,
+                    x(*s),
+                    y(scale(*v)),
+                    line.color
+                );
+            }
         }
-        legend.push(("#d04020", "validation".to_string()));
+        legend.push((line.color, line.name.clone()));
     }
     for (i, (color, text)) in legend.iter().enumerate() {
         let ly = y0 + 16.0 + 18.0 * i as f64;
@@ -204,8 +260,6 @@ mod tests {
             loss,
             gap: None,
             lr: None,
-            tokens_per_s: None,
-            elapsed_s: 0.0,
         };
         let records = vec![
             rec(10, "train", 3.0),
@@ -218,5 +272,42 @@ mod tests {
         assert!(svg.contains("stroke-dasharray"));
         assert!(svg.contains("a &lt;run&gt;"));
         assert!(svg.contains("optimum 1.5"));
+    }
+
+    /// The gap plot is logarithmic: a gap of 10⁻³ sits as far below 10⁻² as 10⁻² below 10⁻¹,
+    /// and gaps at or below zero are left out.
+    #[test]
+    fn the_gap_plot_is_logarithmic() {
+        let rec = |step, kind: &str, gap: f64| Record {
+            step,
+            kind: kind.into(),
+            loss: 1.0 + gap,
+            gap: Some(gap),
+            lr: None,
+        };
+        let records = vec![
+            rec(10, "valid", 1e-1),
+            rec(20, "valid", 1e-2),
+            rec(30, "valid", 1e-3),
+            rec(40, "valid", -1e-4),
+        ];
+        let svg = gap_svg("run", &records);
+        let ys: Vec<f64> = svg
+            .lines()
+            .filter(|l| l.starts_with("<circle"))
+            .map(|l| {
+                l.split("cy=\"")
+                    .nth(1)
+                    .unwrap()
+                    .split('"')
+                    .next()
+                    .unwrap()
+                    .parse()
+                    .unwrap()
+            })
+            .collect();
+        assert_eq!(ys.len(), 3);
+        assert!(((ys[1] - ys[0]) - (ys[2] - ys[1])).abs() < 0.2, "{ys:?}");
+        assert!(svg.contains(">0.01<"), "{svg}");
     }
 }

@@ -30,29 +30,38 @@ pub const FFN: &str = "ffn.toml";
 pub const VOCAB: &str = "vocab.json";
 /// The text corpus's fingerprint.
 pub const CORPUS: &str = "corpus.json";
+/// A Markov source's stationary distribution, solved once.
+pub const MARKOV: &str = "markov.bin";
 /// The metrics, one JSON object a line.
 pub const METRICS_JSONL: &str = "metrics.jsonl";
 /// The metrics as CSV.
 pub const METRICS_CSV: &str = "metrics.csv";
+/// The wall clock at each logged moment, one JSON object a line.
+pub const TIMING: &str = "timing.jsonl";
 /// The end-of-run summary.
 pub const SUMMARY: &str = "summary.json";
 /// The loss plot.
 pub const PLOT: &str = "loss.svg";
+/// The gap to the optimum, on a log scale.
+pub const GAP_PLOT: &str = "gap.svg";
 /// The checkpoint folder.
 pub const CHECKPOINTS: &str = "checkpoints";
 /// The lock file.
 pub const LOCK: &str = ".lock";
 
 /// Every name `ffn-train` writes in a run folder.
-pub const NAMES: [&str; 10] = [
+pub const NAMES: [&str; 13] = [
     CONFIG,
     FFN,
     VOCAB,
     CORPUS,
+    MARKOV,
     METRICS_JSONL,
     METRICS_CSV,
+    TIMING,
     SUMMARY,
     PLOT,
+    GAP_PLOT,
     CHECKPOINTS,
     LOCK,
 ];
@@ -199,6 +208,7 @@ mod tests {
         assert!(err.to_string().contains("in use by another"), "{err}");
         drop(first);
         lock(&run).unwrap();
+        fs::remove_dir_all(dir).unwrap();
     }
 
     #[test]
@@ -209,6 +219,7 @@ mod tests {
         let (b, _lb) = claim_numbered(&base).unwrap();
         assert_eq!(a, base);
         assert_eq!(b, dir.join("runs/default-2"));
+        fs::remove_dir_all(dir).unwrap();
     }
 
     #[test]
@@ -236,5 +247,6 @@ mod tests {
         fs::remove_file(run.join("notes.txt")).unwrap();
         fs::create_dir_all(run.join(CHECKPOINTS).join("step-000010")).unwrap();
         assert!(is_dead_end(&run).unwrap());
+        fs::remove_dir_all(dir).unwrap();
     }
 }

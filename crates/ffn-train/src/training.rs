@@ -33,31 +33,12 @@ use rayon::prelude::*;
 
 use crate::checkpoint::{self, RngState, State};
 use crate::config::{TaskConfig, TrainConfig, TrainSettings};
-use crate::data::{Batch, Task};
-use crate::metrics::{self, Metrics, Progress, Record, Summary};
+use crate::data::{Batch, Language, Task, Vocab};
+use crate::metrics::{self, Metrics, Progress, Record, Summary, Timing};
 use crate::model::Model;
 use crate::rng::Rng;
 use crate::run;
 use crate::{Error, Result};
-
-/// Tells the C allocator to keep freed memory for reuse instead of returning it to the
-/// operating system (glibc on Linux; elsewhere nothing).
-///
-/// A training step frees and allocates the same buffers again and again. glibc serves blocks
-/// of 32 MiB and more (and, after a free, ones above a threshold that adapts) from fresh `mmap`s
-/// and trims its heaps after each free, so every step page-faults and zero-fills its buffers
-/// anew: 8 % of the main job's time in the kernel. Raising the mmap and trim thresholds keeps
-/// the pages mapped: the main job ran 1.15× faster for 6 MiB more resident memory.
-/// Process-wide: call it at the start of a program (the `ffn-train` binary does).
-pub fn keep_freed_memory() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: mallopt only sets allocator parameters; it is safe to call at any time.
-    unsafe {
-        libc::mallopt(libc::M_MMAP_THRESHOLD, 256 << 20);
-        libc::mallopt(libc::M_TRIM_THRESHOLD, 1 << 30);
-        libc::mallopt(libc::M_TOP_PAD, 64 << 20);
-    }
-}
 
 /// The learning rate after `step` completed steps: linear warm-up from `lr / warmup` to `lr`
 /// over `warmup_steps`, then cosine decay to `min_lr` at the last step.
@@ -331,6 +312,13 @@ impl Prepared {
                 let json = serde_json::to_string(&vocab).expect("vocab serialises");
                 run::write_atomically(&folder.join(run::VOCAB), json.as_bytes())?;
             }
+            if let Task::Language {
+                source: Language::Markov(m),
+                ..
+            } = &loaded.task
+            {
+                m.write_cache(&folder.join(run::MARKOV))?;
+            }
             if let TaskConfig::Text(t) = &loaded.config.task {
                 let corpus = Corpus::of(&t.path)?;
                 let json = serde_json::to_string_pretty(&corpus).expect("corpus serialises");
@@ -346,7 +334,6 @@ impl Prepared {
                 pending_loss: (0.0, 0),
                 best_valid: None,
                 tokens: 0,
-                elapsed_s: 0.0,
                 config_fingerprint: loaded.fingerprint.clone(),
             };
             let mut trainer = Trainer::assemble(folder, loaded, optim, state, None, device, lock)?;
@@ -419,8 +406,8 @@ pub struct Loaded {
     pub model: Model,
 }
 
-/// Reads a run folder's config and builds its task and (initial) model on `device`.
-pub fn load_run(run: &Path, device: &Device) -> Result<Loaded> {
+/// A run folder's `config.toml`: its text and the config.
+fn read_config(run: &Path) -> Result<(String, TrainConfig)> {
     let path = run.join(run::CONFIG);
     if !path.exists() {
         return Err(Error::Checkpoint {
@@ -428,31 +415,95 @@ pub fn load_run(run: &Path, device: &Device) -> Result<Loaded> {
             message: "not a run folder (no config.toml)".into(),
         });
     }
-    let text = fs::read_to_string(&path).map_err(Error::io(&path))?;
+    let text = ffn_model::reader::read_text(&path, ffn_model::reader::MAX_CONFIG_FILE)
+        .map_err(Error::io(&path))?;
     let config = TrainConfig::from_toml(&text, &[]).map_err(|e| Error::Checkpoint {
         path: path.clone(),
         message: e.to_string(),
     })?;
+    Ok((text, config))
+}
+
+/// Reads a run folder's config and builds its task and (initial) model on `device`.
+pub fn load_run(run: &Path, device: &Device) -> Result<Loaded> {
+    let (text, config) = read_config(run)?;
     if let TaskConfig::Text(t) = &config.task {
         Corpus::check(run, &t.path)?;
     }
     let device = &config.train.device(device);
-    let task = Task::new(&config, device)?;
+    let task = Task::of_run(&config, device, run)?;
     initialise(config, &text, task, device)
 }
 
 /// The initial model of a run whose config file holds `text`.
 fn initialise(config: TrainConfig, text: &str, task: Task, device: &Device) -> Result<Loaded> {
-    // burn draws parameters lazily, at first use: draw them all now, from the init stream.
-    device.seed(Rng::derive_seed(config.seed, "init", 0));
-    let model = Model::new(&config, &task, device)?;
-    model.visit(&mut Materialize);
+    let vocab_size = task.vocab().map_or(0, |v| v.len());
+    let model = initial_model(&config, vocab_size, device)?;
     Ok(Loaded {
         fingerprint: checkpoint::fingerprint(text),
         config,
         task,
         model,
     })
+}
+
+/// A run's initial model: every parameter drawn now from the run's init stream (burn draws
+/// lazily, at first use), and numbered (see [`crate::model::number_params`]).
+fn initial_model(config: &TrainConfig, vocab_size: usize, device: &Device) -> Result<Model> {
+    device.seed(Rng::derive_seed(config.seed, "init", 0));
+    let model = crate::model::number_params(Model::new(config, vocab_size, device)?);
+    model.visit(&mut Materialize);
+    Ok(model)
+}
+
+/// The trained language model of the run in folder `run` and its tokeniser (`vocab.json`),
+/// without its task: no text file is read and no Markov source solved. From the checkpoint
+/// `only` if given, else the newest good one (with the warnings of [`load_latest_good`]).
+pub fn load_language_model(
+    run: &Path,
+    device: &Device,
+    only: Option<&Path>,
+) -> Result<(Model, Vocab, Vec<String>)> {
+    let (text, config) = read_config(run)?;
+    if !matches!(config.task, TaskConfig::Markov(_) | TaskConfig::Text(_)) {
+        return Err(Error::Config(
+            "this needs a language-model run; this one is a regression".into(),
+        ));
+    }
+    let vocab = crate::data::read_vocab(run)?;
+    let device = &config.train.device(device);
+    let model = initial_model(&config, vocab.len(), device)?;
+    let fingerprint = checkpoint::fingerprint(&text);
+    let (model, _, _, warnings) = match only {
+        Some(chosen) => {
+            let (model, state) = load_checkpoint(chosen, &fingerprint, model)?;
+            (model, state, chosen.to_path_buf(), Vec::new())
+        }
+        None => newest_good(run, &fingerprint, model, false)?,
+    };
+    Ok((model, vocab, warnings))
+}
+
+/// A checkpoint folder of `run` named by the user: a path, or a step (`250` for
+/// `checkpoints/step-000250`).
+pub fn checkpoint_named(run: &Path, name: &str) -> PathBuf {
+    match name.parse::<usize>() {
+        Ok(step) => checkpoint::folder(run).join(format!("step-{step:06}")),
+        Err(_) => PathBuf::from(name),
+    }
+}
+
+/// One checkpoint, verified and loaded into `model`.
+fn load_checkpoint(checkpoint: &Path, fingerprint: &str, model: Model) -> Result<(Model, State)> {
+    if !checkpoint.is_dir() {
+        return Err(Error::Checkpoint {
+            path: checkpoint.to_path_buf(),
+            message: "no such checkpoint folder".into(),
+        });
+    }
+    checkpoint::verify(checkpoint)?;
+    let state = checkpoint::read_state(checkpoint, fingerprint)?;
+    Ok((checkpoint::load_model(checkpoint, model)?, state))
 }
 
 /// The run in folder `run` at its newest good checkpoint: config, task and trained model, the
@@ -472,6 +523,26 @@ pub fn load_latest_good(
     set_aside: bool,
 ) -> Result<(Loaded, State, PathBuf, Vec<String>)> {
     let loaded = load_run(run, device)?;
+    let (model, state, latest, warnings) =
+        newest_good(run, &loaded.fingerprint, loaded.model.clone(), set_aside)?;
+    Ok((Loaded { model, ..loaded }, state, latest, warnings))
+}
+
+/// The run in folder `run` at the checkpoint folder `checkpoint`, which must verify and load.
+pub fn load_at(run: &Path, device: &Device, checkpoint: &Path) -> Result<(Loaded, State)> {
+    let loaded = load_run(run, device)?;
+    let (model, state) = load_checkpoint(checkpoint, &loaded.fingerprint, loaded.model.clone())?;
+    Ok((Loaded { model, ..loaded }, state))
+}
+
+/// The newest checkpoint of `run` that verifies and loads into `model`: see
+/// [`load_latest_good`].
+fn newest_good(
+    run: &Path,
+    fingerprint: &str,
+    model: Model,
+    set_aside: bool,
+) -> Result<(Model, State, PathBuf, Vec<String>)> {
     let mut warnings = Vec::new();
     let candidates = checkpoint::list(run)?;
     if candidates.is_empty() {
@@ -487,9 +558,9 @@ pub fn load_latest_good(
     let mut passed_over: Vec<(PathBuf, String)> = Vec::new();
     for candidate in candidates.into_iter().rev() {
         let attempt = checkpoint::verify(&candidate)
-            .and_then(|()| checkpoint::read_state(&candidate, &loaded.fingerprint))
+            .and_then(|()| checkpoint::read_state(&candidate, fingerprint))
             .and_then(|state| {
-                let model = checkpoint::load_model(&candidate, loaded.model.clone())?;
+                let model = checkpoint::load_model(&candidate, model.clone())?;
                 Ok((state, model))
             });
         match attempt {
@@ -504,7 +575,7 @@ pub fn load_latest_good(
                     }
                     warnings.push(warning);
                 }
-                return Ok((Loaded { model, ..loaded }, state, candidate, warnings));
+                return Ok((model, state, candidate, warnings));
             }
             Err(e) => {
                 let warning = format!("skipping checkpoint {}: {e}", candidate.display());
@@ -619,7 +690,7 @@ impl Trainer {
         let tokens_per_step = self.task.tokens_per_batch(t.batch_size);
         let shards = shards(&self.config, &self.device);
         let clock = Instant::now();
-        let elapsed_before = self.state.elapsed_s;
+        let elapsed_before = self.metrics.elapsed_s();
         let elapsed = |clock: &Instant| elapsed_before + clock.elapsed().as_secs_f64();
         let mut interval = (Instant::now(), 0usize); // training time and tokens since last log
         let mut last_train: Option<f64> = None;
@@ -666,6 +737,10 @@ impl Trainer {
                     loss: mean,
                     gap: optimum.map(|o| mean - o),
                     lr: Some(lr),
+                })?;
+                self.metrics.time(&Timing {
+                    step: done,
+                    event: "train".into(),
                     tokens_per_s: Some(interval.1 as f64 / seconds),
                     elapsed_s: elapsed(&clock),
                 })?;
@@ -681,6 +756,10 @@ impl Trainer {
                     loss: valid,
                     gap: optimum.map(|o| valid - o),
                     lr: None,
+                })?;
+                self.metrics.time(&Timing {
+                    step: done,
+                    event: "valid".into(),
                     tokens_per_s: None,
                     elapsed_s: elapsed(&clock),
                 })?;
@@ -692,7 +771,12 @@ impl Trainer {
             }
             let stopping = stop_requested() && !last;
             if done.is_multiple_of(t.checkpoint_every) || last || stopping {
-                self.state.elapsed_s = elapsed(&clock);
+                self.metrics.time(&Timing {
+                    step: done,
+                    event: "checkpoint".into(),
+                    tokens_per_s: None,
+                    elapsed_s: elapsed(&clock),
+                })?;
                 let path = checkpoint::save(
                     &self.run,
                     &self.model,
@@ -725,13 +809,13 @@ impl Trainer {
             progress.update(done, &message, evaluating);
         }
         progress.finish();
-        self.state.elapsed_s = elapsed(&clock);
-        self.finish()
+        self.finish(elapsed(&clock))
     }
 
     /// Writes `summary.json` and `loss.svg` from the metrics and the final state.
-    fn finish(&self) -> Result<Summary> {
+    fn finish(&self, elapsed_s: f64) -> Result<Summary> {
         let records = metrics::read_records(&self.run.join(run::METRICS_JSONL))?;
+        let timings = metrics::read_timings(&self.run.join(run::TIMING))?;
         let optimum = self.task.optimal_loss();
         let last = |kind: &str| {
             records
@@ -740,7 +824,7 @@ impl Trainer {
                 .find(|r| r.kind == kind)
                 .map(|r| r.loss)
         };
-        let train_rates: Vec<f64> = records.iter().filter_map(|r| r.tokens_per_s).collect();
+        let train_rates: Vec<f64> = timings.iter().filter_map(|t| t.tokens_per_s).collect();
         let best = self.state.best_valid;
         let ffn_params = self.ffn_params();
         let summary = Summary {
@@ -758,10 +842,10 @@ impl Trainer {
             } else {
                 train_rates.iter().sum::<f64>() / train_rates.len() as f64
             },
-            wall_time_s: self.state.elapsed_s,
+            wall_time_s: elapsed_s,
             params: self.model.num_params(),
             ffn_params,
-            device: format!("{:?}", self.device),
+            device: crate::backend::describe(&self.device),
         };
         metrics::write_summary(&self.run, &summary)?;
         let title = format!(
@@ -773,6 +857,10 @@ impl Trainer {
         );
         let svg = crate::plot::svg(&title, &records, optimum);
         run::write_atomically(&self.run.join(run::PLOT), svg.as_bytes())?;
+        if optimum.is_some() {
+            let svg = crate::plot::gap_svg(&title, &records);
+            run::write_atomically(&self.run.join(run::GAP_PLOT), svg.as_bytes())?;
+        }
         Ok(summary)
     }
 
@@ -868,7 +956,7 @@ mod tests {
             let device = Device::flex().autodiff();
             let task = Task::new(&config, &device).unwrap();
             device.seed(5);
-            let model = Model::new(&config, &task, &device).unwrap();
+            let model = Model::new(&config, task.vocab().map_or(0, |v| v.len()), &device).unwrap();
             model.visit(&mut Materialize);
             let batch = task.train_batch(1, 0, 10, &device);
             assert_eq!(

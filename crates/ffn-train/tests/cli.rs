@@ -7,7 +7,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{assert_error, ffn_train, losses, scratch, snapshot, stderr, stdout, tiny};
+use common::{
+    assert_error, assert_error_status, ffn_train, losses, scratch, snapshot, stderr, stdout, tiny,
+};
 
 #[test]
 fn train_eval_and_sample_end_to_end() {
@@ -43,8 +45,11 @@ fn train_eval_and_sample_end_to_end() {
         "vocab.json",
         "metrics.jsonl",
         "metrics.csv",
+        "timing.jsonl",
+        "markov.bin",
         "summary.json",
         "loss.svg",
+        "gap.svg",
     ] {
         assert!(run.join(file).is_file(), "{file} missing");
     }
@@ -57,10 +62,7 @@ fn train_eval_and_sample_end_to_end() {
     // Checkpoints: every 10 steps, all kept (keep_checkpoints = 10).
     assert_eq!(ffn_train::checkpoint::list(&run).unwrap().len(), 6);
     let csv = std::fs::read_to_string(run.join("metrics.csv")).unwrap();
-    assert_eq!(
-        csv.lines().next(),
-        Some("step,kind,loss,gap,lr,tokens_per_s,elapsed_s")
-    );
+    assert_eq!(csv.lines().next(), Some("step,kind,loss,gap,lr"));
     assert_eq!(csv.lines().count(), 1 + 12 + 6);
     let summary = ffn_train::metrics::read_summary(&run).unwrap();
     assert_eq!(summary.steps, 60);
@@ -191,9 +193,13 @@ fn every_error_is_one_clear_line() {
     );
     assert_error(&train(&["--set", "model.kind=ffn"]), "");
     assert_error(&train(&["--set", "nonsense"]), "expected key=value");
-    assert_error(
-        &train(&["--device", "tpu"]),
-        "unknown or not compiled device `tpu`",
+    // An unknown device is a usage error naming the devices of this build.
+    let out = train(&["--device", "tpu"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        stderr(&out).contains("possible values: flex"),
+        "{}",
+        stderr(&out)
     );
     assert_error(
         &ffn_train(&["train", "--config", "missing.toml"], &dir),
@@ -270,7 +276,8 @@ fn every_error_is_one_clear_line() {
         "--set",
         "train.warmup_steps=0",
     ]);
-    assert_error(&out, "the loss became");
+    // Status 3: a divergence, told apart from other errors.
+    assert_error_status(&out, 3, "the loss became");
     let err = stderr(&out);
     assert!(err.contains("at step"), "{err}");
     let last_good = ffn_train::checkpoint::list(&dir.join("nan")).unwrap();
@@ -288,7 +295,7 @@ fn every_error_is_one_clear_line() {
     assert!(err.contains(&format!("at step {}", step + 1)), "{err}");
 
     // A bad command line is clap's business: exit status 2.
-    let out = ffn_train(&["train", "--steps", "3"], &dir);
+    let out = ffn_train(&["train", "--stepz", "3"], &dir);
     assert_eq!(out.status.code(), Some(2));
 }
 
@@ -448,4 +455,130 @@ fn wgpu_without_an_adapter_is_one_clear_error() {
         .unwrap();
     assert_error(&out, "no wgpu adapter could be initialised");
     assert!(!dir.join("runs").exists());
+}
+
+#[test]
+fn dry_runs_shortcuts_checkpoints_and_json() {
+    let dir = scratch("cli-options");
+    let config = tiny(&dir);
+    let config = config.to_str().unwrap();
+
+    // --dry-run: the resolved config and its memory estimate; nothing written.
+    let out = ffn_train(
+        &[
+            "train",
+            "--config",
+            config,
+            "--seed",
+            "5",
+            "--steps",
+            "20",
+            "--run",
+            "r",
+            "--dry-run",
+        ],
+        &dir,
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    let toml_part: String = text
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .collect::<Vec<_>>()
+        .join("\n");
+    let resolved = ffn_train::TrainConfig::from_toml(&toml_part, &[]).unwrap();
+    assert_eq!((resolved.seed, resolved.train.steps), (5, 20));
+    assert!(text.contains("# memory estimate: "), "{text}");
+    assert!(!dir.join("r").exists());
+    // An explicit --set wins over a shortcut.
+    let out = ffn_train(
+        &[
+            "train",
+            "--config",
+            config,
+            "--steps",
+            "20",
+            "--set",
+            "train.steps=30",
+            "--dry-run",
+        ],
+        &dir,
+    );
+    assert!(stdout(&out).contains("steps = 30"), "{}", stdout(&out));
+
+    // --help lists this build's devices and the environment variable.
+    let help = stdout(&ffn_train(&["train", "--help"], &dir));
+    assert!(
+        help.contains("FFN_DEVICE") && help.contains("possible values: flex"),
+        "{help}"
+    );
+    assert!(stdout(&ffn_train(&["--help"], &dir)).contains("3 the loss diverged"));
+
+    // A run, then eval of a chosen checkpoint, as JSON.
+    let out = ffn_train(
+        &["train", "--config", config, "--steps", "20", "--run", "r"],
+        &dir,
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        stdout(&out).contains("device flex (CPU)"),
+        "{}",
+        stdout(&out)
+    );
+    let summary = ffn_train::metrics::read_summary(&dir.join("r")).unwrap();
+    assert_eq!(summary.device, "flex (CPU)");
+    let eval = |extra: &[&str]| {
+        let mut args = vec!["eval", "r", "--batches", "2", "--json"];
+        args.extend_from_slice(extra);
+        let out = ffn_train(&args, &dir);
+        assert!(out.status.success(), "{}", stderr(&out));
+        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
+    };
+    let newest = eval(&[]);
+    assert_eq!(newest["step"], 20);
+    let at_10 = eval(&["--checkpoint", "10"]);
+    assert_eq!(at_10["step"], 10);
+    let (loss, optimum, gap) = (
+        at_10["loss"].as_f64().unwrap(),
+        at_10["optimal_loss"].as_f64().unwrap(),
+        at_10["gap"].as_f64().unwrap(),
+    );
+    assert!((loss - optimum - gap).abs() < 1e-12);
+    assert_ne!(newest["loss"], at_10["loss"]);
+    let folder = dir.join("r/checkpoints/step-000010");
+    assert_eq!(
+        eval(&["--checkpoint", folder.to_str().unwrap()])["loss"],
+        at_10["loss"]
+    );
+    assert_error(
+        &ffn_train(&["eval", "r", "--checkpoint", "999"], &dir),
+        "no such checkpoint folder",
+    );
+
+    // sample from a chosen checkpoint: another model, so (greedy) another text.
+    let sample = |checkpoint: &str| {
+        let out = ffn_train(
+            &[
+                "sample",
+                "r",
+                "--tokens",
+                "30",
+                "--temperature",
+                "0",
+                "--checkpoint",
+                checkpoint,
+            ],
+            &dir,
+        );
+        assert!(out.status.success(), "{}", stderr(&out));
+        stdout(&out)
+    };
+    assert_eq!(sample("20"), {
+        let out = ffn_train(
+            &["sample", "r", "--tokens", "30", "--temperature", "0"],
+            &dir,
+        );
+        stdout(&out)
+    });
+    let _ = sample("10");
 }

@@ -8,58 +8,9 @@
 mod common;
 
 use std::fs;
-use std::time::{Duration, Instant};
 
-use common::{TINY_LM, device, scratch, serial};
+use common::{TINY_LM, device, property, scratch, serial};
 use ffn_train::{DEFAULT_CONFIG, TrainConfig, Trainer};
-
-/// xorshift64*.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n.max(1) as u64) as usize
-    }
-
-    fn pick<'a>(&mut self, items: &[&'a str]) -> &'a str {
-        items[self.below(items.len())]
-    }
-}
-
-fn property(name: &str, seed: u64, default_cases: usize, mut case: impl FnMut(&mut Rng)) {
-    let cases = std::env::var("FFN_FUZZ_CASES")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default_cases);
-    let seconds = std::env::var("FFN_FUZZ_SECONDS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(60);
-    let start = Instant::now();
-    let mut done = 0;
-    for i in 0..cases {
-        if start.elapsed() > Duration::from_secs(seconds) {
-            break;
-        }
-        let case_seed = seed ^ (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        let mut rng = Rng(case_seed);
-        let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| case(&mut rng)));
-        assert!(
-            outcome.is_ok(),
-            "{name}: case {i} (seed {case_seed:#x}) panicked"
-        );
-        done += 1;
-    }
-    eprintln!("{name}: {done} cases in {:.1?}", start.elapsed());
-    assert!(done >= cases.min(50), "{name}: only {done} cases ran");
-}
 
 const KEYS: [&str; 30] = [
     "seed",

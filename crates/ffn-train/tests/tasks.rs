@@ -11,8 +11,8 @@ use ffn_train::{TrainConfig, Trainer};
 fn train(name: &str, toml: &str, sets: &[&str]) -> Summary {
     let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
     let config = TrainConfig::from_toml(toml, &sets).unwrap();
-    let folder = scratch(name).join("run");
-    Trainer::start(config, &folder, &device())
+    let dir = scratch(name);
+    Trainer::start(config, &dir.join("run"), &device())
         .unwrap()
         .run(&Progress::Silent)
         .unwrap()

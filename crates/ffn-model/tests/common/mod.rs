@@ -7,6 +7,10 @@ use burn::module::{ModuleMapper, Param};
 use burn::tensor::{DType, Device, Tensor, TensorData};
 use safetensors::SafeTensors;
 
+mod plain;
+#[allow(unused_imports)] // each test binary uses some of them
+pub use plain::{Rng, Scratch, property, scratch};
+
 /// The CPU device the tests run on, with autodiff.
 pub fn device() -> Device {
     Device::flex().autodiff()
@@ -65,34 +69,7 @@ pub fn strip_metadata(bytes: &[u8]) -> Vec<u8> {
     safetensors::serialize(file.tensors(), None).unwrap()
 }
 
-/// xorshift64*: a reproducible stream without a dependency (gradient checks, property tests).
-pub struct Rng(pub u64);
-
 impl Rng {
-    /// The next 64 random bits.
-    pub fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-
-    /// Uniform in `0..n` (0 when `n` is 0).
-    pub fn below(&mut self, n: usize) -> usize {
-        (self.next() % n.max(1) as u64) as usize
-    }
-
-    /// Uniform in `[0, 1)`.
-    pub fn uniform(&mut self) -> f64 {
-        (self.next() >> 11) as f64 / (1u64 << 53) as f64
-    }
-
-    /// Standard normal (Box–Muller).
-    pub fn normal(&mut self) -> f64 {
-        let (u, v) = (self.uniform().max(1e-300), self.uniform());
-        (-2.0 * u.ln()).sqrt() * (2.0 * std::f64::consts::PI * v).cos()
-    }
-
     /// An `f64` tensor of standard normals.
     pub fn data(&mut self, shape: &[usize]) -> TensorData {
         let n = shape.iter().product();

@@ -6,6 +6,11 @@ use std::process::{Command, Output};
 
 use burn::tensor::Device;
 
+#[path = "../../../ffn-model/tests/common/plain.rs"]
+mod plain;
+#[allow(unused_imports)] // each test binary uses some of them
+pub use plain::{Rng, Scratch, property, scratch};
+
 /// The `[train]` table of the tiny runs: 60 steps, evaluated and checkpointed every 10.
 macro_rules! tiny_schedule {
     () => {
@@ -70,14 +75,6 @@ pub fn device() -> Device {
     Device::flex().autodiff()
 }
 
-/// A fresh, empty folder for one test.
-pub fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("ffn-train-test-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
 /// `(step, kind, loss)` of every metrics record of a run.
 pub fn losses(run: &Path) -> Vec<(usize, String, f64)> {
     ffn_train::metrics::read_records(&run.join("metrics.jsonl"))
@@ -134,11 +131,17 @@ pub fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
 }
 
-/// Asserts a failed command printed exactly one line, `error: …` containing `needle`.
+/// Asserts a failed command printed exactly one line, `error: …` containing `needle`, and
+/// exited with status 1.
 pub fn assert_error(o: &Output, needle: &str) {
+    assert_error_status(o, 1, needle)
+}
+
+/// [`assert_error`] with another exit status.
+pub fn assert_error_status(o: &Output, status: i32, needle: &str) {
     assert_eq!(
         o.status.code(),
-        Some(1),
+        Some(status),
         "stdout: {}\nstderr: {}",
         stdout(o),
         stderr(o)
