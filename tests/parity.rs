@@ -16,10 +16,15 @@
 //! This test found that burn's fused `gelu` op differentiates as the tanh approximation on
 //! NdArray and wgpu (3e-4 off); `Activation::Gelu` is now written out from `erf`.
 
+// ffn-model's test helpers (`Cast`: every float parameter to a dtype, keeping ids).
+#[path = "../crates/ffn-model/tests/common/mod.rs"]
+mod common;
+
 use std::collections::BTreeMap;
 
-use burn::module::{Module, ModuleMapper, Param};
+use burn::module::Module;
 use burn::tensor::{DType, Device, Distribution, Tensor, TensorData};
+use common::Cast;
 use ffn::model::Memory;
 use ffn::{FeedForward, FeedForwardConfig, Variant};
 
@@ -47,17 +52,6 @@ fn backends() -> Vec<(&'static str, Device, f64)> {
             .map(|device| ("cuda", device, 1e-4)),
     ];
     backends.into_iter().flatten().collect()
-}
-
-/// Casts every float parameter to `dtype`, keeping ids.
-struct Cast(DType);
-
-impl ModuleMapper for Cast {
-    fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
-        let id = param.id;
-        let tensor = param.val().inner().cast(self.0).autodiff().require_grad();
-        Param::initialized(id, tensor)
-    }
 }
 
 /// `y`, `∂L/∂x` and `∂L/∂θ` for every parameter θ, with `L = Σ y²`, as f64 host data.
