@@ -514,119 +514,14 @@ impl TrainConfig {
         attention || self.ffn().is_ok_and(|f| f.dropout > 0.0)
     }
 
-    /// Checks every value and the pairing of task and model.
+    /// Checks every value ([`TaskConfig::validate`], [`ModelConfig::validate`],
+    /// [`TrainSettings::validate`]), the pairing of task and model, and the FFNs.
     pub fn validate(&self) -> Result<()> {
-        let fail = |message: String| Err(Error::Config(message));
-        // Sizes: at least 1 and at most MAX_SIZE (the memory estimate decides combinations).
-        let positive = |name: &str, value: usize| {
-            if value == 0 {
-                fail(format!("{name} must be at least 1"))
-            } else if value > MAX_SIZE {
-                fail(format!(
-                    "{name} = {value} is too large (at most {MAX_SIZE})"
-                ))
-            } else {
-                Ok(())
-            }
-        };
-        // Counts of steps: no memory depends on them.
-        let count = |name: &str, value: usize| {
-            if value == 0 {
-                fail(format!("{name} must be at least 1"))
-            } else {
-                Ok(())
-            }
-        };
-        let probability = |name: &str, value: f64| {
-            if value.is_finite() && (0.0..1.0).contains(&value) {
-                Ok(())
-            } else {
-                fail(format!("{name} must be in [0, 1), got {value}"))
-            }
-        };
-        let language = match &self.task {
-            TaskConfig::Markov(m) => {
-                if !(2..=crate::data::MARKOV_ALPHABET.len()).contains(&m.vocab_size) {
-                    return fail(format!(
-                        "task.vocab_size must be in 2..={}, got {}",
-                        crate::data::MARKOV_ALPHABET.len(),
-                        m.vocab_size
-                    ));
-                }
-                positive("task.order", m.order)?;
-                if markov_contexts(m.vocab_size, m.order).is_none() {
-                    return fail(format!(
-                        "task.vocab_size^task.order = {}^{} contexts is too many (at most 2^20)",
-                        m.vocab_size, m.order
-                    ));
-                }
-                if !(1..=m.vocab_size).contains(&m.support) {
-                    return fail(format!(
-                        "task.support must be in 1..=vocab_size ({}), got {}",
-                        m.vocab_size, m.support
-                    ));
-                }
-                probability("task.smoothing", m.smoothing)?;
-                if m.smoothing == 0.0 && m.support < m.vocab_size {
-                    return fail(
-                        "task.smoothing must be positive when support < vocab_size, so that the chain is ergodic"
-                            .to_string(),
-                    );
-                }
-                positive("task.seq_len", m.seq_len)?;
-                true
-            }
-            TaskConfig::Text(t) => {
-                if !(t.valid_fraction > 0.0 && t.valid_fraction < 1.0) {
-                    return fail(format!(
-                        "task.valid_fraction must be in (0, 1), got {}",
-                        t.valid_fraction
-                    ));
-                }
-                positive("task.seq_len", t.seq_len)?;
-                true
-            }
-            TaskConfig::Teacher(t) => {
-                if !(t.noise.is_finite() && t.noise >= 0.0) {
-                    return fail(format!("task.noise must be ≥ 0, got {}", t.noise));
-                }
-                if !(t.teacher_gain.is_finite() && t.teacher_gain > 0.0) {
-                    return fail(format!(
-                        "task.teacher_gain must be > 0, got {}",
-                        t.teacher_gain
-                    ));
-                }
-                false
-            }
-            TaskConfig::Sine(s) => {
-                if !(s.noise.is_finite() && s.noise >= 0.0) {
-                    return fail(format!("task.noise must be ≥ 0, got {}", s.noise));
-                }
-                if !(s.frequency.is_finite() && s.frequency >= 0.0) {
-                    return fail(format!("task.frequency must be ≥ 0, got {}", s.frequency));
-                }
-                false
-            }
-        };
-        match (&self.model, language) {
-            (ModelConfig::Transformer(m), true) => {
-                positive("model.d_model", m.d_model)?;
-                positive("model.n_layers", m.n_layers)?;
-                positive("model.n_heads", m.n_heads)?;
-                if m.d_model % m.n_heads != 0 {
-                    return fail(format!(
-                        "model.d_model ({}) must be a multiple of model.n_heads ({})",
-                        m.d_model, m.n_heads
-                    ));
-                }
-                probability("model.attention_dropout", m.attention_dropout)?;
-            }
-            (ModelConfig::Window(m), true) => {
-                positive("model.window", m.window)?;
-                positive("model.d_embed", m.d_embed)?;
-                positive("model.d_model", m.d_model)?;
-            }
-            (ModelConfig::Ffn(m), false) => positive("model.d_model", m.d_model)?,
+        self.task.validate()?;
+        self.model.validate()?;
+        match (&self.model, self.task.is_language()) {
+            (ModelConfig::Transformer(_) | ModelConfig::Window(_), true) => {}
+            (ModelConfig::Ffn(_), false) => {}
             (_, true) => {
                 return fail(
                     "a language task needs model.kind = \"transformer\" or \"window\"".to_string(),
@@ -642,42 +537,7 @@ impl TrainConfig {
         {
             spec.resolve(m.d_model, "task.teacher")?;
         }
-
-        let t = &self.train;
-        count("train.steps", t.steps)?;
-        positive("train.batch_size", t.batch_size)?;
-        count("train.eval_every", t.eval_every)?;
-        positive("train.eval_batches", t.eval_batches)?;
-        count("train.log_every", t.log_every)?;
-        count("train.checkpoint_every", t.checkpoint_every)?;
-        count("train.keep_checkpoints", t.keep_checkpoints)?;
-        if !(t.lr.is_finite() && t.lr > 0.0) {
-            return fail(format!("train.lr must be > 0, got {}", t.lr));
-        }
-        if !(t.min_lr.is_finite() && t.min_lr >= 0.0 && t.min_lr <= t.lr) {
-            return fail(format!(
-                "train.min_lr must be in [0, lr = {}], got {}",
-                t.lr, t.min_lr
-            ));
-        }
-        probability("train.beta1", t.beta1)?;
-        probability("train.beta2", t.beta2)?;
-        if !(t.weight_decay.is_finite() && t.weight_decay >= 0.0) {
-            return fail(format!(
-                "train.weight_decay must be ≥ 0, got {}",
-                t.weight_decay
-            ));
-        }
-        if !(t.grad_clip.is_finite() && t.grad_clip >= 0.0) {
-            return fail(format!("train.grad_clip must be ≥ 0, got {}", t.grad_clip));
-        }
-        if t.shards > MAX_SIZE {
-            return fail(format!(
-                "train.shards = {} is too large (at most {MAX_SIZE})",
-                t.shards
-            ));
-        }
-        Ok(())
+        self.train.validate()
     }
 
     /// An estimate, in bytes, of the memory training this config takes: the parameters with
@@ -809,6 +669,195 @@ fn available_memory() -> Option<u64> {
     let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
     let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     kib.checked_mul(1024)
+}
+
+fn fail(message: String) -> Result<()> {
+    Err(Error::Config(message))
+}
+
+/// A size: at least 1 and at most [`MAX_SIZE`] (the memory estimate decides combinations).
+fn positive(name: &str, value: usize) -> Result<()> {
+    if value == 0 {
+        fail(format!("{name} must be at least 1"))
+    } else if value > MAX_SIZE {
+        fail(format!(
+            "{name} = {value} is too large (at most {MAX_SIZE})"
+        ))
+    } else {
+        Ok(())
+    }
+}
+
+/// A count of steps: at least 1 (no memory depends on it).
+fn count(name: &str, value: usize) -> Result<()> {
+    if value == 0 {
+        fail(format!("{name} must be at least 1"))
+    } else {
+        Ok(())
+    }
+}
+
+/// A probability in `[0, 1)`.
+fn probability(name: &str, value: f64) -> Result<()> {
+    if value.is_finite() && (0.0..1.0).contains(&value) {
+        Ok(())
+    } else {
+        fail(format!("{name} must be in [0, 1), got {value}"))
+    }
+}
+
+/// A finite value `≥ 0`.
+fn non_negative(name: &str, value: f64) -> Result<()> {
+    if value.is_finite() && value >= 0.0 {
+        Ok(())
+    } else {
+        fail(format!("{name} must be ≥ 0, got {value}"))
+    }
+}
+
+impl TaskConfig {
+    /// Whether the task is language modelling (else regression).
+    pub fn is_language(&self) -> bool {
+        matches!(self, TaskConfig::Markov(_) | TaskConfig::Text(_))
+    }
+
+    /// Checks the task's values.
+    pub fn validate(&self) -> Result<()> {
+        match self {
+            TaskConfig::Markov(m) => m.validate(),
+            TaskConfig::Text(t) => t.validate(),
+            TaskConfig::Teacher(t) => t.validate(),
+            TaskConfig::Sine(s) => s.validate(),
+        }
+    }
+}
+
+impl MarkovConfig {
+    /// Checks the chain's sizes, and that it is ergodic.
+    pub fn validate(&self) -> Result<()> {
+        let alphabet = crate::data::MARKOV_ALPHABET.len();
+        if !(2..=alphabet).contains(&self.vocab_size) {
+            return fail(format!(
+                "task.vocab_size must be in 2..={alphabet}, got {}",
+                self.vocab_size
+            ));
+        }
+        positive("task.order", self.order)?;
+        if markov_contexts(self.vocab_size, self.order).is_none() {
+            return fail(format!(
+                "task.vocab_size^task.order = {}^{} contexts is too many (at most 2^20)",
+                self.vocab_size, self.order
+            ));
+        }
+        if !(1..=self.vocab_size).contains(&self.support) {
+            return fail(format!(
+                "task.support must be in 1..=vocab_size ({}), got {}",
+                self.vocab_size, self.support
+            ));
+        }
+        probability("task.smoothing", self.smoothing)?;
+        if self.smoothing == 0.0 && self.support < self.vocab_size {
+            return fail(
+                "task.smoothing must be positive when support < vocab_size, so that the chain is ergodic"
+                    .to_string(),
+            );
+        }
+        positive("task.seq_len", self.seq_len)
+    }
+}
+
+impl TextConfig {
+    /// Checks the split and the sequence length (the file is checked when it is read).
+    pub fn validate(&self) -> Result<()> {
+        if !(self.valid_fraction > 0.0 && self.valid_fraction < 1.0) {
+            return fail(format!(
+                "task.valid_fraction must be in (0, 1), got {}",
+                self.valid_fraction
+            ));
+        }
+        positive("task.seq_len", self.seq_len)
+    }
+}
+
+impl TeacherConfig {
+    /// Checks the noise and the teacher's gain (its FFN is checked with the model's `d_model`).
+    pub fn validate(&self) -> Result<()> {
+        non_negative("task.noise", self.noise)?;
+        if !(self.teacher_gain.is_finite() && self.teacher_gain > 0.0) {
+            return fail(format!(
+                "task.teacher_gain must be > 0, got {}",
+                self.teacher_gain
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl SineConfig {
+    /// Checks the noise and the frequency.
+    pub fn validate(&self) -> Result<()> {
+        non_negative("task.noise", self.noise)?;
+        non_negative("task.frequency", self.frequency)
+    }
+}
+
+impl ModelConfig {
+    /// Checks the network's sizes (its FFN is resolved by [`TrainConfig::ffn`]).
+    pub fn validate(&self) -> Result<()> {
+        match self {
+            ModelConfig::Transformer(m) => {
+                positive("model.d_model", m.d_model)?;
+                positive("model.n_layers", m.n_layers)?;
+                positive("model.n_heads", m.n_heads)?;
+                if m.d_model % m.n_heads != 0 {
+                    return fail(format!(
+                        "model.d_model ({}) must be a multiple of model.n_heads ({})",
+                        m.d_model, m.n_heads
+                    ));
+                }
+                probability("model.attention_dropout", m.attention_dropout)
+            }
+            ModelConfig::Window(m) => {
+                positive("model.window", m.window)?;
+                positive("model.d_embed", m.d_embed)?;
+                positive("model.d_model", m.d_model)
+            }
+            ModelConfig::Ffn(m) => positive("model.d_model", m.d_model),
+        }
+    }
+}
+
+impl TrainSettings {
+    /// Checks the schedule, the optimiser's values and the sizes.
+    pub fn validate(&self) -> Result<()> {
+        count("train.steps", self.steps)?;
+        positive("train.batch_size", self.batch_size)?;
+        count("train.eval_every", self.eval_every)?;
+        positive("train.eval_batches", self.eval_batches)?;
+        count("train.log_every", self.log_every)?;
+        count("train.checkpoint_every", self.checkpoint_every)?;
+        count("train.keep_checkpoints", self.keep_checkpoints)?;
+        if !(self.lr.is_finite() && self.lr > 0.0) {
+            return fail(format!("train.lr must be > 0, got {}", self.lr));
+        }
+        if !(self.min_lr.is_finite() && self.min_lr >= 0.0 && self.min_lr <= self.lr) {
+            return fail(format!(
+                "train.min_lr must be in [0, lr = {}], got {}",
+                self.lr, self.min_lr
+            ));
+        }
+        probability("train.beta1", self.beta1)?;
+        probability("train.beta2", self.beta2)?;
+        non_negative("train.weight_decay", self.weight_decay)?;
+        non_negative("train.grad_clip", self.grad_clip)?;
+        if self.shards > MAX_SIZE {
+            return fail(format!(
+                "train.shards = {} is too large (at most {MAX_SIZE})",
+                self.shards
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// Bytes as a person reads them: `3.2 GiB`.

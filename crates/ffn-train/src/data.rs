@@ -580,19 +580,30 @@ pub enum Task {
 }
 
 impl Task {
-    /// Builds the task of a config on `device` (teacher and map weights live there).
-    pub fn new(config: &TrainConfig, device: &Device) -> Result<Self> {
-        Self::build(config, device, None)
+    /// Builds the task of a config whose FFN resolves to `ffn` ([`TrainConfig::ffn`]) on
+    /// `device` (teacher and map weights live there).
+    pub fn new(config: &TrainConfig, ffn: &FeedForwardConfig, device: &Device) -> Result<Self> {
+        Self::build(config, ffn, device, None)
     }
 
     /// The task of the run in folder `run`: a Markov source's `π` comes from the folder's
     /// `markov.bin` (solved and cached there when missing or damaged), and a text file is
     /// tokenised with the run's `vocab.json`.
-    pub fn of_run(config: &TrainConfig, device: &Device, run: &Path) -> Result<Self> {
-        Self::build(config, device, Some(run))
+    pub fn of_run(
+        config: &TrainConfig,
+        ffn: &FeedForwardConfig,
+        device: &Device,
+        run: &Path,
+    ) -> Result<Self> {
+        Self::build(config, ffn, device, Some(run))
     }
 
-    fn build(config: &TrainConfig, device: &Device, run: Option<&Path>) -> Result<Self> {
+    fn build(
+        config: &TrainConfig,
+        ffn: &FeedForwardConfig,
+        device: &Device,
+        run: Option<&Path>,
+    ) -> Result<Self> {
         let seed = config.seed;
         Ok(match &config.task {
             TaskConfig::Markov(m) => {
@@ -610,11 +621,10 @@ impl Task {
                 }
             }
             TaskConfig::Teacher(t) => {
-                let student = config.ffn()?;
-                let d = student.d_model;
+                let d = ffn.d_model;
                 let teacher: FeedForwardConfig = match &t.teacher {
                     Some(spec) => spec.resolve(d, "task.teacher")?,
-                    None => student,
+                    None => ffn.clone(),
                 }
                 .with_dropout(0.0)
                 .with_initializer(burn::nn::Initializer::KaimingNormal {
@@ -636,7 +646,7 @@ impl Task {
                 })
             }
             TaskConfig::Sine(s) => {
-                let d = config.ffn()?.d_model;
+                let d = ffn.d_model;
                 device.seed(Rng::derive_seed(seed, "sine", 0));
                 let std = s.frequency / (d as f64).sqrt();
                 let a = Tensor::<2>::random([d, d], Distribution::Normal(0.0, std), device);

@@ -212,11 +212,15 @@ pub enum Model {
 }
 
 impl Model {
-    /// Builds the model of `config` on `device` for a vocabulary of `vocab_size` tokens (unused
-    /// by regression), its weights drawn from the device's RNG (seed it first for reproducible
-    /// initialisation).
-    pub fn new(config: &TrainConfig, vocab_size: usize, device: &Device) -> Result<Self> {
-        let ffn_config: FeedForwardConfig = config.ffn()?;
+    /// Builds the model of `config` (its FFN resolved: `ffn_config`, see [`TrainConfig::ffn`]) on
+    /// `device` for a vocabulary of `vocab_size` tokens (unused by regression), its weights
+    /// drawn from the device's RNG (seed it first for reproducible initialisation).
+    pub fn new(
+        config: &TrainConfig,
+        ffn_config: &FeedForwardConfig,
+        vocab_size: usize,
+        device: &Device,
+    ) -> Result<Self> {
         let ffn = || {
             ffn_config.try_init(device).map_err(|source| Error::Ffn {
                 context: "model.ffn".into(),
@@ -330,10 +334,11 @@ mod tests {
         );
         let config = TrainConfig::from_toml(&text, &[]).unwrap();
         let device = Device::flex();
-        let task = Task::new(&config, &device).unwrap();
+        let ffn = config.ffn().unwrap();
+        let task = Task::new(&config, &ffn, &device).unwrap();
         let _guard = INIT.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         device.seed(1);
-        let model = Model::new(&config, task.vocab().unwrap().len(), &device).unwrap();
+        let model = Model::new(&config, &ffn, task.vocab().unwrap().len(), &device).unwrap();
         // burn draws a parameter when it is first read, not in `init`: read them all now.
         model.visit(&mut crate::training::Materialize);
         (model, device)

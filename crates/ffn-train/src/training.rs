@@ -39,6 +39,7 @@ use crate::model::Model;
 use crate::rng::Rng;
 use crate::run;
 use crate::{Error, Result};
+use ffn_model::FeedForwardConfig;
 
 /// The learning rate after `step` completed steps: linear warm-up from `lr / warmup` to `lr`
 /// over `warmup_steps`, then cosine decay to `min_lr` at the last step.
@@ -245,6 +246,7 @@ pub fn stop_requested() -> bool {
 pub struct Trainer {
     run: PathBuf,
     config: TrainConfig,
+    ffn: FeedForwardConfig,
     task: Task,
     device: Device,
     model: Model,
@@ -274,7 +276,8 @@ impl Prepared {
         }
         config.check_memory(config.train.eval_batches)?;
         let device = &config.train.device(device);
-        let task = Task::new(&config, device)?;
+        let ffn = config.ffn()?;
+        let task = Task::new(&config, &ffn, device)?;
         let text = config.to_toml();
         // What `resume` will read back is exactly this config.
         debug_assert_eq!(
@@ -282,7 +285,7 @@ impl Prepared {
             Some(&config)
         );
         let optim = optimizer(&config.train);
-        let loaded = initialise(config, &text, task, device)?;
+        let loaded = initialise(config, ffn, &text, task, device)?;
         Ok(Self {
             text,
             loaded,
@@ -292,13 +295,7 @@ impl Prepared {
 
     /// Writes the run's files into its claimed folder and builds the trainer; on failure a
     /// folder this process created is removed again.
-    fn write(
-        self,
-        folder: &Path,
-        lock: run::Lock,
-        created: bool,
-        device: &Device,
-    ) -> Result<Trainer> {
+    fn write(self, folder: &Path, lock: run::Lock, created: bool) -> Result<Trainer> {
         let Prepared {
             text,
             loaded,
@@ -306,8 +303,7 @@ impl Prepared {
         } = self;
         let written = (|| {
             run::write_atomically(&folder.join(run::CONFIG), text.as_bytes())?;
-            let ffn = loaded.config.ffn()?.to_toml();
-            run::write_atomically(&folder.join(run::FFN), ffn.as_bytes())?;
+            run::write_atomically(&folder.join(run::FFN), loaded.ffn.to_toml().as_bytes())?;
             if let Some(vocab) = loaded.task.vocab() {
                 let json = serde_json::to_string(&vocab).expect("vocab serialises");
                 run::write_atomically(&folder.join(run::VOCAB), json.as_bytes())?;
@@ -336,7 +332,7 @@ impl Prepared {
                 tokens: 0,
                 config_fingerprint: loaded.fingerprint.clone(),
             };
-            let mut trainer = Trainer::assemble(folder, loaded, optim, state, None, device, lock)?;
+            let mut trainer = Trainer::assemble(folder, loaded, optim, state, None, lock)?;
             trainer.warnings.extend(trainer.task.warning());
             Ok(trainer)
         });
@@ -398,12 +394,16 @@ impl Corpus {
 pub struct Loaded {
     /// The run's config.
     pub config: TrainConfig,
+    /// Its FFN, resolved once ([`TrainConfig::ffn`]).
+    pub ffn: FeedForwardConfig,
     /// Its fingerprint.
     pub fingerprint: String,
     /// The task (data, optimum).
     pub task: Task,
     /// A freshly initialised model of the run.
     pub model: Model,
+    /// The device it trains on ([`TrainSettings::device`](crate::config::TrainSettings::device)).
+    pub device: Device,
 }
 
 /// A run folder's `config.toml`: its text and the config.
@@ -431,27 +431,42 @@ pub fn load_run(run: &Path, device: &Device) -> Result<Loaded> {
         Corpus::check(run, &t.path)?;
     }
     let device = &config.train.device(device);
-    let task = Task::of_run(&config, device, run)?;
-    initialise(config, &text, task, device)
+    let ffn = config.ffn()?;
+    let task = Task::of_run(&config, &ffn, device, run)?;
+    initialise(config, ffn, &text, task, device)
 }
 
-/// The initial model of a run whose config file holds `text`.
-fn initialise(config: TrainConfig, text: &str, task: Task, device: &Device) -> Result<Loaded> {
+/// The initial model of a run whose config file holds `text` (its FFN resolved: `ffn`), on the
+/// training device `device`.
+fn initialise(
+    config: TrainConfig,
+    ffn: FeedForwardConfig,
+    text: &str,
+    task: Task,
+    device: &Device,
+) -> Result<Loaded> {
     let vocab_size = task.vocab().map_or(0, |v| v.len());
-    let model = initial_model(&config, vocab_size, device)?;
+    let model = initial_model(&config, &ffn, vocab_size, device)?;
     Ok(Loaded {
         fingerprint: checkpoint::fingerprint(text),
         config,
+        ffn,
         task,
         model,
+        device: device.clone(),
     })
 }
 
 /// A run's initial model: every parameter drawn now from the run's init stream (burn draws
 /// lazily, at first use), and numbered (see [`crate::model::number_params`]).
-fn initial_model(config: &TrainConfig, vocab_size: usize, device: &Device) -> Result<Model> {
+fn initial_model(
+    config: &TrainConfig,
+    ffn: &FeedForwardConfig,
+    vocab_size: usize,
+    device: &Device,
+) -> Result<Model> {
     device.seed(Rng::derive_seed(config.seed, "init", 0));
-    let model = crate::model::number_params(Model::new(config, vocab_size, device)?);
+    let model = crate::model::number_params(Model::new(config, ffn, vocab_size, device)?);
     model.visit(&mut Materialize);
     Ok(model)
 }
@@ -472,7 +487,7 @@ pub fn load_language_model(
     }
     let vocab = crate::data::read_vocab(run)?;
     let device = &config.train.device(device);
-    let model = initial_model(&config, vocab.len(), device)?;
+    let model = initial_model(&config, &config.ffn()?, vocab.len(), device)?;
     let fingerprint = checkpoint::fingerprint(&text);
     let (model, _, _, warnings) = match only {
         Some(chosen) => {
@@ -601,7 +616,7 @@ impl Trainer {
     pub fn start(config: TrainConfig, run: &Path, device: &Device) -> Result<Self> {
         let prepared = Prepared::new(config, device)?;
         let (lock, created) = run::claim(run)?;
-        prepared.write(run, lock, created, device)
+        prepared.write(run, lock, created)
     }
 
     /// [`start`](Self::start) in the first free folder of `base`, `base-2`, `base-3`, … (two
@@ -609,7 +624,7 @@ impl Trainer {
     pub fn start_numbered(config: TrainConfig, base: &Path, device: &Device) -> Result<Self> {
         let prepared = Prepared::new(config, device)?;
         let (run, lock) = run::claim_numbered(base)?;
-        prepared.write(&run, lock, true, device)
+        prepared.write(&run, lock, true)
     }
 
     /// Continues the run in folder `run` from its newest good checkpoint (a corrupt or
@@ -621,7 +636,7 @@ impl Trainer {
             .config
             .check_memory(loaded.config.train.eval_batches)?;
         let optim = checkpoint::load_optim(&latest, optimizer(&loaded.config.train))?;
-        let mut trainer = Self::assemble(run, loaded, optim, state, Some(latest), device, lock)?;
+        let mut trainer = Self::assemble(run, loaded, optim, state, Some(latest), lock)?;
         trainer.warnings = warnings;
         trainer.warnings.extend(trainer.task.warning());
         Ok(trainer)
@@ -633,12 +648,10 @@ impl Trainer {
         optim: ModuleOptimizer,
         state: State,
         last_checkpoint: Option<PathBuf>,
-        device: &Device,
         lock: run::Lock,
     ) -> Result<Self> {
         let t = &loaded.config.train;
-        let device = &t.device(device);
-        let eval_device = device.clone().inner();
+        let eval_device = loaded.device.clone().inner();
         let valid = loaded.task.valid_batches(
             loaded.config.seed,
             t.eval_batches,
@@ -649,8 +662,9 @@ impl Trainer {
             metrics: Metrics::open(run, state.step)?,
             run: run.to_path_buf(),
             config: loaded.config,
+            ffn: loaded.ffn,
             task: loaded.task,
-            device: device.clone(),
+            device: loaded.device,
             model: loaded.model,
             optim,
             valid,
@@ -865,7 +879,7 @@ impl Trainer {
     }
 
     fn ffn_params(&self) -> usize {
-        let per_ffn = self.config.ffn().map(|c| c.num_params()).unwrap_or(0);
+        let per_ffn = self.ffn.num_params();
         match &self.config.model {
             crate::config::ModelConfig::Transformer(m) => per_ffn * m.n_layers,
             _ => per_ffn,
@@ -954,9 +968,11 @@ mod tests {
             );
             let config = TrainConfig::from_toml(&text, &[]).unwrap();
             let device = Device::flex().autodiff();
-            let task = Task::new(&config, &device).unwrap();
+            let ffn = config.ffn().unwrap();
+            let task = Task::new(&config, &ffn, &device).unwrap();
             device.seed(5);
-            let model = Model::new(&config, task.vocab().map_or(0, |v| v.len()), &device).unwrap();
+            let vocab_size = task.vocab().map_or(0, |v| v.len());
+            let model = Model::new(&config, &ffn, vocab_size, &device).unwrap();
             model.visit(&mut Materialize);
             let batch = task.train_batch(1, 0, 10, &device);
             assert_eq!(
