@@ -5,7 +5,6 @@
 //! cargo run --release --manifest-path examples/outside/Cargo.toml
 //! ```
 
-use burn::module::Module;
 use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::{Device, Distribution, Tensor};
 use ffn_model::FeedForwardConfig;
