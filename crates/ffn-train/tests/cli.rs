@@ -555,7 +555,7 @@ fn dry_runs_shortcuts_checkpoints_and_json() {
         "no such checkpoint folder",
     );
 
-    // sample from a chosen checkpoint: another model, so (greedy) another text.
+    // sample from a chosen checkpoint: the newest by default.
     let sample = |checkpoint: &str| {
         let out = ffn_train(
             &[
@@ -580,5 +580,27 @@ fn dry_runs_shortcuts_checkpoints_and_json() {
         );
         stdout(&out)
     });
-    let _ = sample("10");
+    // `--checkpoint 10` loads step 10: with step 20 damaged, the default falls back to step 10
+    // and must write the same text, while `--checkpoint 20` is refused.
+    let at_10 = sample("10");
+    let model = dir.join("r/checkpoints/step-000020/model.bpk");
+    let mut bytes = std::fs::read(&model).unwrap();
+    let middle = bytes.len() / 2;
+    bytes[middle] ^= 0xFF;
+    std::fs::write(&model, bytes).unwrap();
+    let out = ffn_train(
+        &["sample", "r", "--tokens", "30", "--temperature", "0"],
+        &dir,
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("skipping checkpoint"),
+        "{}",
+        stderr(&out)
+    );
+    assert_eq!(stdout(&out), at_10);
+    assert_error(
+        &ffn_train(&["sample", "r", "--checkpoint", "20"], &dir),
+        "corrupt",
+    );
 }
