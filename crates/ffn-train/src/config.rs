@@ -408,8 +408,9 @@ pub struct TrainSettings {
     /// Data parallelism on a CPU: each batch is cut into this many shards whose forward and
     /// backward passes run at once on rayon's threads, and their gradients are summed (the
     /// batch's mean gradient, up to the order of float additions). 0: one shard per rayon
-    /// thread on a CPU device, 1 on a GPU or when the model has dropout (the device's random
-    /// stream is shared, so shards drawing at once would make runs irreproducible).
+    /// thread on a CPU device, 1 on a GPU. With dropout the shards' forward passes run one
+    /// after another (the device's random stream is shared: drawing masks at once would make
+    /// runs irreproducible) and only their backward passes at once.
     pub shards: usize,
 }
 

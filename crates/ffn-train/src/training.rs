@@ -142,7 +142,7 @@ impl ModuleMapper for Leaves {
 /// The shards a batch is cut into on `device` (see [`TrainSettings::shards`]).
 pub fn shards(config: &TrainConfig, device: &Device) -> usize {
     match config.train.shards {
-        0 if is_cpu(device) && !config.uses_dropout() => rayon::current_num_threads(),
+        0 if is_cpu(device) => rayon::current_num_threads(),
         0 => 1,
         n => n,
     }
@@ -174,7 +174,16 @@ fn is_cpu(device: &Device) -> bool {
 /// which is the batch's mean loss and gradient up to the order of float additions (every loss
 /// here is a mean over independent examples). The shards are summed in order, so a run stays
 /// reproducible for a given shard count.
-pub fn loss_and_gradients(model: &Model, batch: &Batch, shards: usize) -> (f64, GradientsParams) {
+///
+/// With dropout (`draws`), the shards' forward passes run one after another on this thread, in
+/// shard order, so that they draw their masks from the device's one random stream in the same
+/// order on every run; only their backward passes run at once.
+pub fn loss_and_gradients(
+    model: &Model,
+    batch: &Batch,
+    shards: usize,
+    draws: bool,
+) -> (f64, GradientsParams) {
     let n = batch.len().max(1) as f64;
     let parts = batch.split(shards);
     if parts.len() == 1 {
@@ -186,16 +195,33 @@ pub fn loss_and_gradients(model: &Model, batch: &Batch, shards: usize) -> (f64, 
         .iter()
         .map(|_| model.clone().map(&mut Leaves))
         .collect();
-    let results: Vec<(f64, GradientsParams)> = copies
-        .into_par_iter()
-        .zip(parts.into_par_iter())
-        .with_max_len(1)
-        .map(|(copy, part)| {
-            let loss = copy.loss(&part) * (part.len() as f64 / n);
-            let value = loss.clone().into_scalar::<f64>();
-            (value, GradientsParams::from_grads(loss.backward(), &copy))
-        })
-        .collect();
+    let backward = |copy: &Model, loss: Tensor<1>| {
+        let value = loss.clone().into_scalar::<f64>();
+        (value, GradientsParams::from_grads(loss.backward(), copy))
+    };
+    let results: Vec<(f64, GradientsParams)> = if draws {
+        let losses: Vec<Tensor<1>> = copies
+            .iter()
+            .zip(&parts)
+            .map(|(copy, part)| copy.loss(part) * (part.len() as f64 / n))
+            .collect();
+        copies
+            .into_par_iter()
+            .zip(losses)
+            .with_max_len(1)
+            .map(|(copy, loss)| backward(&copy, loss))
+            .collect()
+    } else {
+        copies
+            .into_par_iter()
+            .zip(parts.into_par_iter())
+            .with_max_len(1)
+            .map(|(copy, part)| {
+                let loss = copy.loss(&part) * (part.len() as f64 / n);
+                backward(&copy, loss)
+            })
+            .collect()
+    };
     let mut results = results.into_iter();
     let (mut loss, mut grads) = results.next().expect("at least one shard");
     for (value, from) in results {
@@ -719,7 +745,8 @@ impl Trainer {
             let batch = self
                 .task
                 .train_batch(seed, step, t.batch_size, &self.device);
-            let (value, mut grads) = loss_and_gradients(&self.model, &batch, shards);
+            let (value, mut grads) =
+                loss_and_gradients(&self.model, &batch, shards, self.config.uses_dropout());
             if !value.is_finite() {
                 progress.finish();
                 return Err(Error::Diverged {
@@ -979,15 +1006,15 @@ mod tests {
                 batch.split(3).iter().map(Batch::len).collect::<Vec<_>>(),
                 [3, 3, 4]
             );
-            let summary = |shards: usize| {
-                let (loss, grads) = loss_and_gradients(&model, &batch, shards);
+            let summary = |shards: usize, draws: bool| {
+                let (loss, grads) = loss_and_gradients(&model, &batch, shards, draws);
                 let mut s = Summary(&grads, Vec::new());
                 model.visit(&mut s);
                 (loss, s.1)
             };
-            let (loss, grads) = summary(1);
-            for shards in [2, 3, 7] {
-                let (l, g) = summary(shards);
+            let (loss, grads) = summary(1, false);
+            for (shards, draws) in [(2, false), (3, false), (7, false), (2, true), (7, true)] {
+                let (l, g) = summary(shards, draws);
                 assert!(
                     (l - loss).abs() <= 1e-6 * loss.abs(),
                     "{model}, {shards}: {l} vs {loss}"
