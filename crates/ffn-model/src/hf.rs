@@ -19,7 +19,8 @@ use std::path::{Path, PathBuf};
 use burn::tensor::Device;
 use serde_json::{Map, Value};
 
-use crate::reader::{self, TensorFile, TensorFiles};
+use crate::files;
+use crate::safetensors::{TensorFile, TensorFiles};
 use crate::{Activation, DropoutAt, Error, FeedForward, FeedForwardConfig, Scheme};
 
 /// A Hugging Face model folder.
@@ -38,12 +39,11 @@ impl HfModel {
     pub fn open(folder: impl AsRef<Path>) -> Result<Self, Error> {
         let folder = folder.as_ref().to_path_buf();
         let config_path = folder.join("config.json");
-        let text = reader::read_text(&config_path, reader::MAX_CONFIG_FILE).map_err(|source| {
-            Error::Io {
+        let text =
+            files::read_text(&config_path, files::MAX_CONFIG_FILE).map_err(|source| Error::Io {
                 path: config_path.clone(),
                 source,
-            }
-        })?;
+            })?;
         let config: Map<String, Value> =
             serde_json::from_str(&text).map_err(|e| Error::HfConfig {
                 path: config_path.clone(),
@@ -72,7 +72,7 @@ impl HfModel {
         let index = folder.join("model.safetensors.index.json");
         let files = if index.exists() {
             let text =
-                reader::read_text(&index, reader::MAX_CONFIG_FILE).map_err(|source| Error::Io {
+                files::read_text(&index, files::MAX_CONFIG_FILE).map_err(|source| Error::Io {
                     path: index.clone(),
                     source,
                 })?;
@@ -305,17 +305,10 @@ impl HfModel {
                 .map(|p| format!("{p}layers.{layer}.mlp."))
                 .collect(),
         };
-        let stems = self.scheme().stems();
         let scheme = self.scheme();
         candidates
             .iter()
-            .find(|prefix| {
-                self.files.keys().any(|key| {
-                    key.strip_prefix(prefix.as_str()).is_some_and(|rest| {
-                        stems.iter().any(|s| rest.starts_with(&format!("{s}.")))
-                    })
-                })
-            })
+            .find(|prefix| self.files.keys().any(|key| scheme.owns(key, prefix)))
             .cloned()
             .ok_or_else(|| Error::MissingTensor {
                 key: format!("{}…", candidates[0]),

@@ -1,16 +1,75 @@
 //! # Finding FFNs in a weight file
 //!
-//! [`find_ffns`] looks through the keys of a safetensors file (or a sharded model) for the
-//! weights of feed-forward networks in any [`Scheme`], and infers each one's
+//! [`open`] reads a safetensors file's header (checked as when loading) and lists its metadata,
+//! its tensors and the feed-forward networks among them: it looks through the keys for the
+//! weights of FFNs in any [`Scheme`], and infers each one's
 //! [`FeedForwardConfig`] from the shapes: `d_model` and `d_ff` from the `up` projection,
 //! gating and biases from which tensors exist. The activation is not in the weights: it comes
 //! from the file's `ffn.activation` metadata when present, else from the scheme's usual choice.
 
 use std::collections::BTreeSet;
+use std::path::Path;
 
-use crate::reader::TensorFiles;
+use crate::safetensors::{TensorFile, TensorFiles};
 use crate::scheme::{Role, Slot};
-use crate::{Activation, FeedForwardConfig, Scheme};
+use crate::{Activation, Error, FeedForwardConfig, Scheme};
+
+/// What a safetensors file holds.
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub struct Contents {
+    /// The header's metadata, in key order.
+    pub metadata: Vec<(String, String)>,
+    /// Every tensor's key, dtype name (`F32`, `BF16`, …) and shape, in key order.
+    pub tensors: Vec<(String, String, Vec<usize>)>,
+    /// The FFNs among the tensors, in key order.
+    pub ffns: Vec<FoundFfn>,
+}
+
+/// The [`Contents`] of the safetensors file at `path`. Only the header is read.
+///
+/// # Errors
+///
+/// [`Error::Io`] if the file cannot be read (or is not a regular file), [`Error::Corrupt`] if
+/// its header is not a valid safetensors header.
+///
+/// ```
+/// use ffn_model::{FeedForwardConfig, Scheme};
+///
+/// let device = burn::tensor::Device::default();
+/// let ffn = FeedForwardConfig::new(4, 8).with_gated(true).init(&device);
+/// let path = std::env::temp_dir().join(format!("inspect-doc-{}.safetensors", std::process::id()));
+/// ffn.save_safetensors_as(&path, Scheme::Llama, "model.layers.0.mlp.")?;
+/// let contents = ffn_model::inspect::open(&path)?;
+/// assert_eq!(contents.ffns[0].prefix, "model.layers.0.mlp.");
+/// assert_eq!(contents.ffns[0].config.d_ff, 8);
+/// assert_eq!(contents.tensors.len(), 3);
+/// # std::fs::remove_file(&path)?;
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub fn open(path: &Path) -> Result<Contents, Error> {
+    Ok(contents(TensorFile::open(path)?))
+}
+
+/// The [`Contents`] of a safetensors file in memory (see [`open`]).
+pub fn from_bytes(bytes: &[u8]) -> Result<Contents, Error> {
+    Ok(contents(TensorFile::from_bytes(bytes)?))
+}
+
+fn contents(file: TensorFile) -> Contents {
+    let mut metadata: Vec<(String, String)> = file
+        .metadata()
+        .iter()
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    metadata.sort();
+    let files = TensorFiles::single(file);
+    Contents {
+        metadata,
+        tensors: files.list(),
+        ffns: find_ffns(&files),
+    }
+}
 
 /// An FFN found in a weight file.
 #[derive(Debug, Clone, PartialEq)]
@@ -38,7 +97,7 @@ fn usual_activation(scheme: Scheme, gated: bool) -> Activation {
 }
 
 /// Every FFN in `files`, in key order.
-pub fn find_ffns(files: &TensorFiles) -> Vec<FoundFfn> {
+fn find_ffns(files: &TensorFiles) -> Vec<FoundFfn> {
     // Candidate prefixes: whatever precedes a scheme's weight name.
     let mut prefixes = BTreeSet::new();
     for key in files.keys() {

@@ -38,14 +38,16 @@ mod config;
 #[cfg(feature = "flex")]
 mod cpu;
 mod error;
+pub mod files;
 pub mod hf;
+mod host;
 pub mod inspect;
 mod model;
 // burn-ndarray is deprecated upstream; it is still a backend the op supports.
 #[allow(deprecated)]
 mod op;
 mod preset;
-pub mod reader;
+mod safetensors;
 pub mod scheme;
 pub mod weights;
 

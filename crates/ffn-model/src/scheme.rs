@@ -181,6 +181,16 @@ impl Scheme {
         stems
     }
 
+    /// Whether `key` is one of this scheme's tensors under `prefix`: `{prefix}{stem}.…` for
+    /// one of its [stems](Self::stems).
+    pub(crate) fn owns(self, key: &str, prefix: &str) -> bool {
+        key.strip_prefix(prefix).is_some_and(|rest| {
+            self.stems()
+                .iter()
+                .any(|stem| rest.strip_prefix(stem).is_some_and(|r| r.starts_with('.')))
+        })
+    }
+
     /// The scheme of the FFN weights under `prefix` among `keys`, and whether it is gated.
     pub fn detect<'a>(
         keys: impl IntoIterator<Item = &'a str>,
@@ -241,5 +251,28 @@ impl FromStr for Scheme {
                     Self::ALL.map(Scheme::name).join(", ")
                 ))
             })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A key belongs to a scheme under a prefix when a whole stem follows the prefix.
+    #[test]
+    fn owns_whole_stems_under_the_prefix_only() {
+        let prefix = "model.layers.0.mlp.";
+        let llama = Scheme::Llama;
+        assert!(llama.owns("model.layers.0.mlp.up_proj.weight", prefix));
+        assert!(llama.owns("model.layers.0.mlp.gate_proj.bias", prefix));
+        assert!(!llama.owns("model.layers.0.mlp.gate_up_proj.weight", prefix));
+        assert!(!llama.owns("model.layers.0.mlp.up_projx.weight", prefix));
+        assert!(!llama.owns("model.layers.1.mlp.up_proj.weight", prefix));
+        assert!(!llama.owns("up_proj.weight", prefix));
+        assert!(llama.owns("up_proj.weight", ""));
+        // T5's gated and ungated stems both count.
+        assert!(Scheme::T5.owns("wi.weight", ""));
+        assert!(Scheme::T5.owns("wi_1.weight", ""));
+        assert!(!Scheme::T5.owns("wi_2.weight", ""));
     }
 }

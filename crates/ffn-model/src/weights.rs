@@ -26,25 +26,19 @@
 //! typed error per key, nor split and join the packed layouts.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::fs;
-use std::io::Write;
 use std::path::Path;
 
 use burn::module::Param;
 use burn::nn::Linear;
-use burn::tensor::{DType, Tensor, TensorData};
+use burn::tensor::{Tensor, TensorData};
 
-use crate::reader::{TensorFile, TensorFiles};
+use crate::files::write_atomically;
+use crate::host::{HostTensor, concat_rows, rows, to_pytorch, transpose};
+use crate::safetensors::{TensorFile, TensorFiles, serialize};
 use crate::scheme::{Role, Slot};
 use crate::{Activation, Error, FeedForward, Scheme};
 
 const ACTIVATION_KEY: &str = "ffn.activation";
-
-/// One tensor on its way to a file: its shape and data (f32 or f64).
-struct HostTensor {
-    shape: Vec<usize>,
-    data: TensorData,
-}
 
 impl FeedForward {
     /// Loads weights from a safetensors file with this crate's names in PyTorch layout (see the
@@ -128,60 +122,19 @@ impl FeedForward {
                 .unfused()
                 .to_safetensors_bytes_as(scheme, prefix);
         }
-        let gated = self.is_gated();
-        let mut tensors: Vec<(String, HostTensor)> = Vec::new();
-        // Packed halves, by key stem: [gate, up] each (weight, bias).
-        type Half = Option<(HostTensor, Option<HostTensor>)>;
-        let mut packs: BTreeMap<&str, [Half; 2]> = BTreeMap::new();
+        let mut out = Writer::default();
         for (role, linear) in self.roles() {
-            let slot = scheme
-                .slot(role, gated)?
-                .expect("the module has this projection");
-            let weight = to_pytorch(linear.weight.val());
-            let bias = linear.bias.as_ref().map(|b| to_pytorch(b.val()));
-            let key = |suffix: &str| format!("{prefix}{}.{suffix}", slot.name());
-            match slot {
-                Slot::Linear(_) => {
-                    tensors.push((key("weight"), weight));
-                    tensors.extend(bias.map(|b| (key("bias"), b)));
-                }
-                Slot::Conv1d(_) => {
-                    let [out, inp] = [weight.shape[0], weight.shape[1]];
-                    let data = transpose(&weight.data, out, inp);
-                    tensors.push((
-                        key("weight"),
-                        HostTensor {
-                            shape: vec![inp, out],
-                            data,
-                        },
-                    ));
-                    tensors.extend(bias.map(|b| (key("bias"), b)));
-                }
-                Slot::Half(name, half) => {
-                    packs.entry(name).or_default()[half] = Some((weight, bias));
-                }
-            }
-        }
-        for (name, [gate, up]) in packs {
-            let ((gate_w, gate_b), (up_w, up_b)) = (gate.expect("gate"), up.expect("up"));
-            tensors.push((
-                format!("{prefix}{name}.weight"),
-                concat_rows(&gate_w, &up_w),
-            ));
-            match (gate_b, up_b) {
-                (Some(g), Some(u)) => {
-                    tensors.push((format!("{prefix}{name}.bias"), concat_rows(&g, &u)))
-                }
-                (None, None) => {}
-                _ => {
-                    return Err(Error::Scheme(format!(
-                        "`{name}` packs gate and up: their biases must both be present or both absent"
-                    )));
-                }
-            }
+            let projection = Projection {
+                weight: to_pytorch(linear.weight.val()),
+                bias: linear.bias.as_ref().map(|b| to_pytorch(b.val())),
+            };
+            scheme
+                .slot(role, self.is_gated())?
+                .expect("the module has this projection")
+                .write(prefix, projection, &mut out);
         }
         let metadata = [("format", "pt"), (ACTIVATION_KEY, self.activation().name())];
-        Ok(serialize(&tensors, &metadata))
+        Ok(serialize(&out.finish(prefix)?, &metadata))
     }
 
     /// `(role, projection)` for each projection this module has.
@@ -207,80 +160,29 @@ impl FeedForward {
             return Ok(self.unfused().load_from(files, scheme, prefix)?.fused(ids));
         }
         let gated = self.is_gated();
-        let mut consumed = BTreeSet::new();
+        let mut reader = Reader {
+            files,
+            prefix,
+            used: BTreeSet::new(),
+        };
         // PyTorch-layout weight [out, in] and bias [out] of each role.
         let mut loaded: Vec<(Role, TensorData, Option<TensorData>)> = Vec::new();
         for (role, linear) in self.roles() {
-            let slot = scheme
-                .slot(role, gated)?
-                .expect("the module has this projection");
             let [d_in, d_out] = linear.weight.lazy_shape().dims::<2>();
-            let key = |suffix: &str| format!("{prefix}{}.{suffix}", slot.name());
-            let mut read = |suffix: &str, shape: Vec<usize>| -> Result<TensorData, Error> {
-                let key = key(suffix);
-                let info = files.info(&key).ok_or_else(|| Error::MissingTensor {
-                    hint: missing_hint(role, suffix),
-                    key: key.clone(),
-                })?;
-                if info.shape != shape {
-                    return Err(Error::Shape {
-                        key,
-                        expected: shape,
-                        actual: info.shape.clone(),
-                    });
-                }
-                consumed.insert(key.clone());
-                files.read_float(&key)
-            };
-            let (weight, bias) = match slot {
-                Slot::Linear(_) => (
-                    read("weight", vec![d_out, d_in])?,
-                    linear
-                        .bias
-                        .as_ref()
-                        .map(|_| read("bias", vec![d_out]))
-                        .transpose()?,
-                ),
-                Slot::Conv1d(_) => (
-                    transpose(&read("weight", vec![d_in, d_out])?, d_in, d_out),
-                    linear
-                        .bias
-                        .as_ref()
-                        .map(|_| read("bias", vec![d_out]))
-                        .transpose()?,
-                ),
-                Slot::Half(_, half) => (
-                    rows(
-                        &read("weight", vec![2 * d_out, d_in])?,
-                        half * d_out,
-                        d_out,
-                        d_in,
-                    ),
-                    linear
-                        .bias
-                        .as_ref()
-                        .map(|_| {
-                            Ok::<_, Error>(rows(
-                                &read("bias", vec![2 * d_out])?,
-                                half * d_out,
-                                d_out,
-                                1,
-                            ))
-                        })
-                        .transpose()?,
-                ),
-            };
+            let (weight, bias) = scheme
+                .slot(role, gated)?
+                .expect("the module has this projection")
+                .read(role, [d_out, d_in], linear.bias.is_some(), &mut reader)?;
             loaded.push((role, weight, bias));
         }
 
-        // Under the prefix, every key with one of the scheme's names must have been used
-        // (without a prefix: every key of the file).
-        let stems = scheme.stems();
+        // Every key of the scheme under the prefix (without a prefix: every key of the file)
+        // must have been used.
+        let Reader { files, used, .. } = reader;
         let unexpected = files.keys().find(|key| {
-            !consumed.contains(*key)
-                && key.strip_prefix(prefix).is_some_and(|rest| {
-                    prefix.is_empty() || stems.iter().any(|s| rest.starts_with(&format!("{s}.")))
-                })
+            !used.contains(*key)
+                && key.starts_with(prefix)
+                && (prefix.is_empty() || scheme.owns(key, prefix))
         });
         if let Some(key) = unexpected {
             return Err(Error::UnexpectedTensor {
@@ -323,42 +225,136 @@ impl FeedForward {
     }
 }
 
-/// A safetensors file: an 8-byte little-endian header length, the JSON header (tensors in key
-/// order, each `{dtype, shape, data_offsets}`, and `__metadata__`), padded with spaces to a
-/// multiple of 8 bytes, then the tensors' bytes. Written here rather than by the `safetensors`
-/// crate, whose metadata map is a `HashMap`: the same module gives byte-identical files.
-fn serialize(tensors: &[(String, HostTensor)], metadata: &[(&str, &str)]) -> Vec<u8> {
-    let mut sorted: Vec<&(String, HostTensor)> = tensors.iter().collect();
-    sorted.sort_by(|a, b| a.0.cmp(&b.0));
-    let mut header = serde_json::Map::new();
-    let meta: serde_json::Map<String, serde_json::Value> = metadata
-        .iter()
-        .map(|(k, v)| (k.to_string(), serde_json::Value::from(*v)))
-        .collect();
-    header.insert("__metadata__".into(), meta.into());
-    let mut offset = 0;
-    for (key, t) in &sorted {
-        let dtype = if t.data.dtype() == DType::F64 {
-            "F64"
-        } else {
-            "F32"
+/// One projection in PyTorch's layout: `weight` `[out, in]`, `bias` `[out]`.
+struct Projection {
+    weight: HostTensor,
+    bias: Option<HostTensor>,
+}
+
+/// The tensors of a file being written: whole ones, and the halves of each packed pair (gate,
+/// up) until both have come.
+#[derive(Default)]
+struct Writer {
+    tensors: Vec<(String, HostTensor)>,
+    halves: BTreeMap<&'static str, [Option<Projection>; 2]>,
+}
+
+impl Writer {
+    /// `{prefix}{name}.weight` and, if present, `{prefix}{name}.bias`.
+    fn put(&mut self, prefix: &str, name: &str, weight: HostTensor, bias: Option<HostTensor>) {
+        self.tensors
+            .push((format!("{prefix}{name}.weight"), weight));
+        self.tensors
+            .extend(bias.map(|b| (format!("{prefix}{name}.bias"), b)));
+    }
+
+    /// Every tensor, each packed pair joined: `[W_gate; W_up]`, `[b_gate; b_up]`.
+    fn finish(mut self, prefix: &str) -> Result<Vec<(String, HostTensor)>, Error> {
+        for (name, [gate, up]) in std::mem::take(&mut self.halves) {
+            let (gate, up) = (gate.expect("gate"), up.expect("up"));
+            let bias = match (gate.bias, up.bias) {
+                (Some(g), Some(u)) => Some(concat_rows(&g, &u)),
+                (None, None) => None,
+                _ => {
+                    return Err(Error::Scheme(format!(
+                        "`{name}` packs gate and up: their biases must both be present or both absent"
+                    )));
+                }
+            };
+            self.put(prefix, name, concat_rows(&gate.weight, &up.weight), bias);
+        }
+        Ok(self.tensors)
+    }
+}
+
+/// Reads the tensors under a prefix, checking each one's shape and noting the keys used.
+struct Reader<'a> {
+    files: &'a mut TensorFiles,
+    prefix: &'a str,
+    used: BTreeSet<String>,
+}
+
+impl Reader<'_> {
+    /// `{prefix}{name}.{suffix}`, which must have `shape`.
+    fn take(
+        &mut self,
+        role: Role,
+        name: &str,
+        suffix: &str,
+        shape: &[usize],
+    ) -> Result<TensorData, Error> {
+        let key = format!("{}{name}.{suffix}", self.prefix);
+        let info = self.files.info(&key).ok_or_else(|| Error::MissingTensor {
+            hint: missing_hint(role, suffix),
+            key: key.clone(),
+        })?;
+        if info.shape != shape {
+            return Err(Error::Shape {
+                key,
+                expected: shape.to_vec(),
+                actual: info.shape.clone(),
+            });
+        }
+        let data = self.files.read_float(&key)?;
+        self.used.insert(key);
+        Ok(data)
+    }
+}
+
+/// Each storage kind's one read and one write.
+impl Slot {
+    /// Reads projection `role`, `[d_out, d_in]`, with its bias if `bias`, in PyTorch's layout:
+    /// a Linear as it is, a Conv1D transposed, a half of a packed pair cut from its rows.
+    fn read(
+        self,
+        role: Role,
+        [d_out, d_in]: [usize; 2],
+        bias: bool,
+        from: &mut Reader,
+    ) -> Result<(TensorData, Option<TensorData>), Error> {
+        // The stored weight's shape, and the rows of the stored bias that are this projection's.
+        let (name, stored, bias_len, start) = match self {
+            Slot::Linear(name) => (name, [d_out, d_in], d_out, 0),
+            Slot::Conv1d(name) => (name, [d_in, d_out], d_out, 0),
+            Slot::Half(name, half) => (name, [2 * d_out, d_in], 2 * d_out, half * d_out),
         };
-        let size = t.data.as_bytes().len();
-        header.insert(
-            key.clone(),
-            serde_json::json!({"dtype": dtype, "shape": t.shape, "data_offsets": [offset, offset + size]}),
-        );
-        offset += size;
+        let weight = from.take(role, name, "weight", &stored)?;
+        let weight = match self {
+            Slot::Linear(_) => weight,
+            Slot::Conv1d(_) => transpose(&weight, d_in, d_out),
+            Slot::Half(..) => rows(&weight, start, d_out, d_in),
+        };
+        let bias = match bias {
+            true => Some(from.take(role, name, "bias", &[bias_len])?),
+            false => None,
+        };
+        let bias = bias.map(|b| match self {
+            Slot::Half(..) => rows(&b, start, d_out, 1),
+            _ => b,
+        });
+        Ok((weight, bias))
     }
-    let mut json = serde_json::Value::Object(header).to_string().into_bytes();
-    json.resize(json.len().div_ceil(8) * 8, b' ');
-    let mut out = Vec::with_capacity(8 + json.len() + offset);
-    out.extend_from_slice(&(json.len() as u64).to_le_bytes());
-    out.extend_from_slice(&json);
-    for (_, t) in sorted {
-        out.extend_from_slice(t.data.as_bytes());
+
+    /// Writes `projection` (PyTorch's layout) the way this slot stores it; a half waits in
+    /// `out` for the other half of its pair.
+    fn write(self, prefix: &str, projection: Projection, out: &mut Writer) {
+        let Projection { weight, bias } = projection;
+        match self {
+            Slot::Linear(name) => out.put(prefix, name, weight, bias),
+            Slot::Conv1d(name) => {
+                let [rows, cols] = [weight.shape[0], weight.shape[1]];
+                let data = transpose(&weight.data, rows, cols);
+                let weight = HostTensor {
+                    shape: vec![cols, rows],
+                    data,
+                };
+                out.put(prefix, name, weight, bias)
+            }
+            Slot::Half(name, half) => {
+                out.halves.entry(name).or_default()[half] = Some(Projection { weight, bias })
+            }
+        }
     }
-    out
 }
 
 /// Replaces a parameter's value, keeping its id, device, dtype and gradient setting.
@@ -399,118 +395,4 @@ fn unexpected_hint(scheme: Scheme, key: &str, gated: bool) -> String {
     } else {
         String::new()
     }
-}
-
-/// A burn tensor to a host tensor in PyTorch layout (`[out, in]` for a weight), as f32 unless
-/// it is f64.
-fn to_pytorch<const D: usize>(tensor: Tensor<D>) -> HostTensor {
-    let data = tensor.into_data();
-    let data = if data.dtype() == DType::F64 {
-        data
-    } else {
-        data.convert::<f32>()
-    };
-    let shape = data.shape().to_vec();
-    match shape.as_slice() {
-        [rows, cols] => HostTensor {
-            shape: vec![*cols, *rows],
-            data: transpose(&data, *rows, *cols),
-        },
-        _ => HostTensor { shape, data },
-    }
-}
-
-/// Applies `f` to the values of f32 or f64 data.
-fn with_values(
-    data: &TensorData,
-    f32s: impl FnOnce(&[f32]) -> (Vec<f32>, Vec<usize>),
-    f64s: impl FnOnce(&[f64]) -> (Vec<f64>, Vec<usize>),
-) -> TensorData {
-    match data.dtype() {
-        DType::F64 => {
-            let (v, shape) = f64s(data.as_slice::<f64>().expect("f64"));
-            TensorData::new(v, shape)
-        }
-        _ => {
-            let (v, shape) = f32s(data.as_slice::<f32>().expect("f32"));
-            TensorData::new(v, shape)
-        }
-    }
-}
-
-/// The transpose of a row-major `[rows, cols]` matrix, copied into a new row-major buffer.
-fn transpose(data: &TensorData, rows: usize, cols: usize) -> TensorData {
-    fn t<E: Copy>(src: &[E], rows: usize, cols: usize) -> (Vec<E>, Vec<usize>) {
-        let v = (0..cols)
-            .flat_map(|c| (0..rows).map(move |r| src[r * cols + c]))
-            .collect();
-        (v, vec![cols, rows])
-    }
-    with_values(data, |s| t(s, rows, cols), |s| t(s, rows, cols))
-}
-
-/// Rows `start..start + count` of a row-major matrix with `cols` columns (a vector: `cols = 1`).
-fn rows(data: &TensorData, start: usize, count: usize, cols: usize) -> TensorData {
-    let shape = if data.shape().len() == 1 {
-        vec![count]
-    } else {
-        vec![count, cols]
-    };
-    let (s1, s2) = (shape.clone(), shape);
-    with_values(
-        data,
-        |s| (s[start * cols..(start + count) * cols].to_vec(), s1),
-        |s| (s[start * cols..(start + count) * cols].to_vec(), s2),
-    )
-}
-
-/// `[a; b]`: the rows of `a` then those of `b`.
-fn concat_rows(a: &HostTensor, b: &HostTensor) -> HostTensor {
-    let mut shape = a.shape.clone();
-    shape[0] += b.shape[0];
-    let (s1, s2) = (shape.clone(), shape.clone());
-    let data = with_values(
-        &a.data,
-        |x| {
-            (
-                [x, b.data.as_slice::<f32>().expect("same dtype")].concat(),
-                s1,
-            )
-        },
-        |x| {
-            (
-                [x, b.data.as_slice::<f64>().expect("same dtype")].concat(),
-                s2,
-            )
-        },
-    );
-    HostTensor { shape, data }
-}
-
-/// Writes `bytes` to a temporary file beside `path`, syncs it, and renames it over `path`:
-/// readers see the old file or the new one, never a part of it, and a failure leaves the old
-/// one as it was.
-pub fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    let dir = match path.parent() {
-        Some(dir) if !dir.as_os_str().is_empty() => dir,
-        _ => Path::new("."),
-    };
-    let name = path
-        .file_name()
-        .ok_or_else(|| std::io::Error::other("the path names no file"))?;
-    let tmp = dir.join(format!(
-        ".{}.tmp-{}",
-        name.to_string_lossy(),
-        std::process::id()
-    ));
-    let result = (|| {
-        let mut file = fs::File::create(&tmp)?;
-        file.write_all(bytes)?;
-        file.sync_all()?;
-        fs::rename(&tmp, path)
-    })();
-    if result.is_err() {
-        let _ = fs::remove_file(&tmp);
-    }
-    result
 }

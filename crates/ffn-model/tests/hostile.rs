@@ -10,8 +10,7 @@ mod common;
 use std::path::Path;
 
 use common::{Rng, Scratch, data_file, device, property, scratch};
-use ffn_model::inspect::find_ffns;
-use ffn_model::reader::{TensorFile, TensorFiles};
+use ffn_model::inspect;
 use ffn_model::{Error, FeedForward, FeedForwardConfig, HfModel};
 
 /// A safetensors file from a header (as JSON text) and a data section.
@@ -23,7 +22,7 @@ fn file(header: &str, data: &[u8]) -> Vec<u8> {
 }
 
 fn corrupt_reason(bytes: &[u8]) -> String {
-    match TensorFile::from_bytes(bytes) {
+    match inspect::from_bytes(bytes) {
         Err(Error::Corrupt { reason, .. }) => reason,
         Err(other) => panic!("expected Corrupt, got {other}"),
         Ok(_) => panic!("accepted"),
@@ -49,9 +48,9 @@ fn headers_are_validated_like_the_safetensors_crate() {
     // A valid file still opens, and zero-sized tensors may share an offset.
     let ok = r#"{"a":{"dtype":"F32","shape":[0],"data_offsets":[0,0]},"b":{"dtype":"F32","shape":[0,3],"data_offsets":[0,0]},"c":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}"#;
     assert_eq!(
-        TensorFile::from_bytes(&file(ok, &[0; 4]))
+        inspect::from_bytes(&file(ok, &[0; 4]))
             .unwrap()
-            .tensors()
+            .tensors
             .len(),
         3
     );
@@ -144,16 +143,28 @@ fn only_loadable_ffns_are_reported() {
     };
     // d_ff 0 (an empty up projection).
     let header = format!("{{{}}}", ffn("mlp.up_proj.weight", "F32", "[0,4]", 0));
-    let files = TensorFiles::single(TensorFile::from_bytes(&file(&header, &[])).unwrap());
-    assert!(find_ffns(&files).is_empty());
+    assert!(
+        inspect::from_bytes(&file(&header, &[]))
+            .unwrap()
+            .ffns
+            .is_empty()
+    );
     // An odd number of rows in a packed [W_gate; W_up].
     let header = format!("{{{}}}", ffn("ffn.w12.weight", "F32", "[3,2]", 24));
-    let files = TensorFiles::single(TensorFile::from_bytes(&file(&header, &f32s(6))).unwrap());
-    assert!(find_ffns(&files).is_empty());
+    assert!(
+        inspect::from_bytes(&file(&header, &f32s(6)))
+            .unwrap()
+            .ffns
+            .is_empty()
+    );
     // Integer weights.
     let header = format!("{{{}}}", ffn("mlp.fc1.weight", "I32", "[8,4]", 128));
-    let files = TensorFiles::single(TensorFile::from_bytes(&file(&header, &f32s(32))).unwrap());
-    assert!(find_ffns(&files).is_empty());
+    assert!(
+        inspect::from_bytes(&file(&header, &f32s(32)))
+            .unwrap()
+            .ffns
+            .is_empty()
+    );
 }
 
 #[test]
@@ -266,10 +277,7 @@ fn mutated_weight_files_never_panic() {
     let mut accepted = 0;
     property("safetensors mutations", 0x5AFE, 2500, |rng| {
         let mutated = mutate(rng, &bytes);
-        if let Ok(file) = TensorFile::from_bytes(&mutated) {
-            let files = TensorFiles::single(file);
-            let _ = find_ffns(&files);
-        }
+        let _ = inspect::from_bytes(&mutated);
         if ffn.clone().load_safetensors_bytes(&mutated).is_ok() {
             accepted += 1;
         }
@@ -368,7 +376,7 @@ fn replace_random(rng: &mut Rng, value: &mut serde_json::Value, replacement: ser
 
 #[test]
 fn non_regular_files_are_refused() {
-    let err = TensorFile::open(Path::new("/dev/zero")).err().unwrap();
+    let err = inspect::open(Path::new("/dev/zero")).err().unwrap();
     assert!(err.to_string().contains("not a regular file"), "{err}");
     let dir = model_folder("dev-zero", LLAMA, &[]);
     std::fs::remove_file(dir.join("config.json")).unwrap();

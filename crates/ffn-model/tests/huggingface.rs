@@ -398,11 +398,9 @@ fn bad_folders_give_typed_errors_naming_the_key_or_field() {
 
 #[test]
 fn ffns_are_found_in_any_file() {
-    use ffn_model::inspect::find_ffns;
-    use ffn_model::reader::{TensorFile, TensorFiles};
-    let open = |path: PathBuf| TensorFiles::single(TensorFile::open(&path).unwrap());
+    let find_ffns = |path: PathBuf| ffn_model::inspect::open(&path).unwrap().ffns;
 
-    let t5 = find_ffns(&open(folder("t5-gated").join("model.safetensors")));
+    let t5 = find_ffns(folder("t5-gated").join("model.safetensors"));
     let prefixes: Vec<&str> = t5.iter().map(|f| f.prefix.as_str()).collect();
     assert_eq!(
         prefixes,
@@ -433,7 +431,7 @@ fn ffns_are_found_in_any_file() {
         ("gpt2", Scheme::Gpt2, true),
         ("llama", Scheme::Llama, false),
     ] {
-        let found = find_ffns(&open(folder(name).join("model.safetensors")));
+        let found = find_ffns(folder(name).join("model.safetensors"));
         assert_eq!(found.len(), 2, "{name}: {found:?}");
         let config = HfModel::open(folder(name)).unwrap().ffn_config().unwrap();
         for f in found {
@@ -459,7 +457,7 @@ fn ffns_are_found_in_any_file() {
     let dir = scratch("find");
     let path = dir.join("ffn.safetensors");
     ffn.save_safetensors_as(&path, Scheme::W12, "mlp.").unwrap();
-    let found = find_ffns(&open(path));
+    let found = find_ffns(path);
     assert_eq!(found.len(), 1);
     assert_eq!(
         (found[0].prefix.as_str(), found[0].scheme),

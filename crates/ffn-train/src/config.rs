@@ -457,7 +457,7 @@ impl TrainConfig {
     /// [`load`](Self::load), with the file's `[task]` replaced by `task` if given (before the
     /// overrides, which may then refine it: `--text FILE --set task.seq_len=32`).
     pub fn load_with(path: &Path, task: Option<TaskConfig>, overrides: &[String]) -> Result<Self> {
-        let text = ffn_model::reader::read_text(path, ffn_model::reader::MAX_CONFIG_FILE)
+        let text = ffn_model::files::read_text(path, ffn_model::files::MAX_CONFIG_FILE)
             .map_err(Error::io(path))?;
         Self::from_toml_with(&text, task, overrides)
             .map_err(|e| Error::Config(format!("{}: {e}", path.display())))

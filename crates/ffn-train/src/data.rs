@@ -145,7 +145,7 @@ fn cache_bytes(key: &str, (stationary, residual): &(Vec<f64>, f64)) -> Vec<u8> {
 /// The cached `(π, residual)` in `path`, if it is intact and of the chain `key`.
 fn read_cache(path: &Path, key: &str, contexts: usize) -> Option<(Vec<f64>, f64)> {
     let expected = CACHE_TAG.len() + key.len() + 16 + 8 * contexts + 64;
-    let bytes = ffn_model::reader::read_regular(path, expected as u64).ok()?;
+    let bytes = ffn_model::files::read_regular(path, expected as u64).ok()?;
     let (body, sum) = bytes.split_at_checked(expected - 64)?;
     if bytes.len() != expected || crate::checkpoint::sha256(body).as_bytes() != sum {
         return None;
@@ -304,7 +304,7 @@ impl MarkovSource {
 /// The tokeniser a run wrote when it started, its `vocab.json`.
 pub fn read_vocab(run: &Path) -> Result<Vocab> {
     let path = run.join(crate::run::VOCAB);
-    let text = ffn_model::reader::read_text(&path, 64 << 20).map_err(Error::io(&path))?;
+    let text = ffn_model::files::read_text(&path, 64 << 20).map_err(Error::io(&path))?;
     serde_json::from_str(&text).map_err(|e| Error::Checkpoint {
         path,
         message: format!("corrupt: {e}"),
@@ -407,7 +407,7 @@ impl TextCorpus {
     /// file's own characters.
     pub fn load(config: &TextConfig, vocab: Option<Vocab>) -> Result<Self> {
         let path = &config.path;
-        let bytes = ffn_model::reader::read_regular(path, MAX_TEXT).map_err(Error::io(path))?;
+        let bytes = ffn_model::files::read_regular(path, MAX_TEXT).map_err(Error::io(path))?;
         let data_error = |message: String| Error::Data {
             path: path.clone(),
             message,

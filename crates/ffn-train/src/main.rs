@@ -393,7 +393,6 @@ fn run(cli: Cli) -> Result<()> {
 }
 
 fn inspect(path: &Path, all: bool) -> Result<()> {
-    use ffn_model::reader::{TensorFile, TensorFiles};
     let files = if path.is_dir() {
         let model = ffn_model::HfModel::open(path)?;
         let layers = model.num_layers()?;
@@ -416,10 +415,9 @@ fn inspect(path: &Path, all: bool) -> Result<()> {
         }
         model.tensors()
     } else {
-        let file = TensorFile::open(path)?;
-        let mut metadata: Vec<_> = file.metadata().iter().collect();
-        metadata.sort();
-        let metadata: Vec<String> = metadata
+        let contents = ffn_model::inspect::open(path)?;
+        let metadata: Vec<String> = contents
+            .metadata
             .iter()
             .map(|(k, v)| {
                 format!(
@@ -432,13 +430,12 @@ fn inspect(path: &Path, all: bool) -> Result<()> {
         println!(
             "{}: safetensors file, {} tensors, metadata {{{}}}",
             path.display(),
-            file.tensors().len(),
+            contents.tensors.len(),
             metadata.join(", ")
         );
-        let files = TensorFiles::single(file);
-        let found = ffn_model::inspect::find_ffns(&files);
+        let found = &contents.ffns;
         println!("FFNs found: {}", found.len());
-        for f in &found {
+        for f in found {
             let c = &f.config;
             println!(
                 "  `{}`: {} scheme, {}, d_model {}, d_ff {}, biases up/gate/down {}/{}/{}, activation {} ({})",
@@ -465,7 +462,7 @@ fn inspect(path: &Path, all: bool) -> Result<()> {
                 first.config.to_toml()
             );
         }
-        files.list()
+        contents.tensors
     };
     let shown = if all {
         files.len()

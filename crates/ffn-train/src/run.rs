@@ -66,9 +66,9 @@ pub const NAMES: [&str; 13] = [
     LOCK,
 ];
 
-/// Writes a run file atomically (see [`ffn_model::weights::write_atomically`]).
+/// Writes a run file atomically (see [`ffn_model::files::write_atomically`]).
 pub fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
-    ffn_model::weights::write_atomically(path, bytes).map_err(Error::io(path))
+    ffn_model::files::write_atomically(path, bytes).map_err(Error::io(path))
 }
 
 /// The exclusive claim of one process on a run folder: an advisory lock on `RUN/.lock`,

@@ -384,8 +384,8 @@ pub struct Corpus {
 impl Corpus {
     /// Reads and fingerprints the file.
     pub fn of(path: &Path) -> Result<Self> {
-        let bytes = ffn_model::reader::read_regular(path, crate::data::MAX_TEXT)
-            .map_err(Error::io(path))?;
+        let bytes =
+            ffn_model::files::read_regular(path, crate::data::MAX_TEXT).map_err(Error::io(path))?;
         Ok(Self {
             path: path.to_path_buf(),
             bytes: bytes.len() as u64,
@@ -441,7 +441,7 @@ fn read_config(run: &Path) -> Result<(String, TrainConfig)> {
             message: "not a run folder (no config.toml)".into(),
         });
     }
-    let text = ffn_model::reader::read_text(&path, ffn_model::reader::MAX_CONFIG_FILE)
+    let text = ffn_model::files::read_text(&path, ffn_model::files::MAX_CONFIG_FILE)
         .map_err(Error::io(&path))?;
     let config = TrainConfig::from_toml(&text, &[]).map_err(|e| Error::Checkpoint {
         path: path.clone(),

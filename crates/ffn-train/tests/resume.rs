@@ -90,7 +90,10 @@ fn sharded_dropout_runs_are_reproducible() {
     let run = |name: &str, shards: usize| {
         train_20_steps(
             &dir.join(name),
-            &["model.attention_dropout=0.1", &format!("train.shards={shards}")],
+            &[
+                "model.attention_dropout=0.1",
+                &format!("train.shards={shards}"),
+            ],
         )
     };
     let a = run("a", 3);

@@ -1,4 +1,4 @@
-//! # Reading safetensors files tensor by tensor
+//! # Safetensors files, read tensor by tensor and written in key order
 //!
 //! A safetensors file is an 8-byte little-endian header length `n`, a JSON header of `n` bytes
 //! (`{"key": {"dtype", "shape", "data_offsets": [begin, end]}, …, "__metadata__": {…}}`, offsets
@@ -7,13 +7,14 @@
 //! a multi-gigabyte checkpoint reads that layer's tensors, not the file.
 
 use std::collections::{BTreeMap, HashMap};
-use std::fs::File;
 use std::io::{Cursor, Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 
-use burn::tensor::TensorData;
+use burn::tensor::{DType, TensorData};
 
 use crate::Error;
+use crate::files::open_regular;
+use crate::host::HostTensor;
 
 /// Largest header accepted (the format's own limit).
 const MAX_HEADER: u64 = 100 * 1024 * 1024;
@@ -50,50 +51,6 @@ fn dtype_size(dtype: &str) -> Option<u64> {
         "I32" | "U32" | "F32" => 4,
         "I64" | "U64" | "F64" | "C64" => 8,
         _ => return None,
-    })
-}
-
-/// Opens `path` for reading if it is a regular file (after symbolic links): a device such as
-/// `/dev/zero` would never end, and opening a FIFO blocks until a writer comes.
-pub(crate) fn open_regular(path: &Path) -> std::io::Result<File> {
-    let metadata = std::fs::metadata(path)?;
-    if !metadata.is_file() {
-        return Err(std::io::Error::new(
-            std::io::ErrorKind::InvalidInput,
-            "not a regular file (a folder, device, FIFO or socket)",
-        ));
-    }
-    File::open(path)
-}
-
-/// The whole of a regular file of at most `limit` bytes: a folder, device, FIFO or socket is
-/// refused before it is opened (`/dev/zero` would never end; a FIFO blocks until a writer comes).
-pub fn read_regular(path: &Path, limit: u64) -> std::io::Result<Vec<u8>> {
-    let file = open_regular(path)?;
-    let mut bytes = Vec::new();
-    file.take(limit.saturating_add(1)).read_to_end(&mut bytes)?;
-    if bytes.len() as u64 > limit {
-        return Err(std::io::Error::new(
-            std::io::ErrorKind::InvalidData,
-            format!("larger than the limit of {limit} bytes for this kind of file"),
-        ));
-    }
-    Ok(bytes)
-}
-
-/// The largest JSON or TOML config file read (16 MiB).
-pub const MAX_CONFIG_FILE: u64 = 16 << 20;
-
-/// A text file of at most `limit` bytes (see [`read_regular`]), which must be UTF-8.
-pub fn read_text(path: &Path, limit: u64) -> std::io::Result<String> {
-    String::from_utf8(read_regular(path, limit)?).map_err(|e| {
-        std::io::Error::new(
-            std::io::ErrorKind::InvalidData,
-            format!(
-                "not UTF-8 (invalid byte at offset {})",
-                e.utf8_error().valid_up_to()
-            ),
-        )
     })
 }
 
@@ -388,4 +345,42 @@ impl TensorFiles {
             .iter()
             .find_map(|f| f.metadata().get(key).map(String::as_str))
     }
+}
+
+/// A safetensors file: an 8-byte little-endian header length, the JSON header (tensors in key
+/// order, each `{dtype, shape, data_offsets}`, and `__metadata__`), padded with spaces to a
+/// multiple of 8 bytes, then the tensors' bytes. Written here rather than by the `safetensors`
+/// crate, whose metadata map is a `HashMap`: the same module gives byte-identical files.
+pub(crate) fn serialize(tensors: &[(String, HostTensor)], metadata: &[(&str, &str)]) -> Vec<u8> {
+    let mut sorted: Vec<&(String, HostTensor)> = tensors.iter().collect();
+    sorted.sort_by(|a, b| a.0.cmp(&b.0));
+    let mut header = serde_json::Map::new();
+    let meta: serde_json::Map<String, serde_json::Value> = metadata
+        .iter()
+        .map(|(k, v)| (k.to_string(), serde_json::Value::from(*v)))
+        .collect();
+    header.insert("__metadata__".into(), meta.into());
+    let mut offset = 0;
+    for (key, t) in &sorted {
+        let dtype = if t.data.dtype() == DType::F64 {
+            "F64"
+        } else {
+            "F32"
+        };
+        let size = t.data.as_bytes().len();
+        header.insert(
+            key.clone(),
+            serde_json::json!({"dtype": dtype, "shape": t.shape, "data_offsets": [offset, offset + size]}),
+        );
+        offset += size;
+    }
+    let mut json = serde_json::Value::Object(header).to_string().into_bytes();
+    json.resize(json.len().div_ceil(8) * 8, b' ');
+    let mut out = Vec::with_capacity(8 + json.len() + offset);
+    out.extend_from_slice(&(json.len() as u64).to_le_bytes());
+    out.extend_from_slice(&json);
+    for (_, t) in sorted {
+        out.extend_from_slice(t.data.as_bytes());
+    }
+    out
 }
