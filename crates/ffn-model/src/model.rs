@@ -20,7 +20,7 @@
 
 use burn::module::{Content, DisplaySettings, Module, ModuleDisplay, Param, ParamId};
 use burn::nn::{Dropout, DropoutConfig, Linear, LinearConfig};
-use burn::tensor::{Device, Tensor};
+use burn::tensor::{Device, Distribution, Tensor};
 
 use crate::activation::ActivationState;
 use crate::op::{self, Spec};
@@ -99,9 +99,10 @@ impl FeedForward {
     /// Dropout is active only on an autodiff device while the module is in training mode.
     ///
     /// On a backend this build has the FFN op for (`op.rs`; the crate's backend features), the
-    /// network runs as that one operation with its own backward pass; elsewhere, and with
-    /// dropout on the hidden layer, as [`forward_composed`](Self::forward_composed). Both compute
-    /// the same function and gradients.
+    /// network runs as that one operation with its own backward pass (hidden-layer dropout
+    /// included: its mask is an input of the op); elsewhere as
+    /// [`forward_composed`](Self::forward_composed). Both compute the same function and
+    /// gradients, and draw the same dropout masks.
     ///
     /// # Panics
     ///
@@ -115,11 +116,22 @@ impl FeedForward {
             && x.device().is_autodiff();
         // burn's `reshape` reads a 0 as "keep this dimension": an empty input stays composed.
         let empty = x.dims().contains(&0);
-        if hidden_dropout || empty || !op::supported(&x.device()) {
+        if empty || !op::supported(&x.device()) {
             return self.forward_composed(x);
         }
         let shape = x.dims();
         let x = x.reshape([-1, self.d_model() as i32]);
+        // Dropout's mask m / (1 − p), m ~ Bernoulli(1 − p), drawn as `Dropout::forward` draws
+        // it on the composed path (the same stream, the same order of elements).
+        let mask = hidden_dropout.then(|| {
+            let keep = 1.0 - self.dropout.prob;
+            let shape = [x.dims()[0], self.d_ff()];
+            Tensor::<2>::random(
+                shape,
+                Distribution::Bernoulli(keep),
+                (&x.device(), x.dtype()),
+            ) * (1.0 / keep)
+        });
         let (w_gate, w_up, b_gate, b_up) = match (&self.gate_up, &self.gate, &self.up) {
             (Some(gate_up), _, _) => (None, gate_up, None, &gate_up.bias),
             (None, gate, Some(up)) => (
@@ -143,6 +155,7 @@ impl FeedForward {
             b_gate,
             b_up.as_ref().map(|b| b.val()),
             self.down.bias.as_ref().map(|b| b.val()),
+            mask,
             spec,
         );
         let y = y.reshape(shape);

@@ -55,7 +55,8 @@ pub enum Memory {
     /// Keep `x` and the pre-activations; recompute `h` in the backward pass (one element-wise
     /// pass more), and work through the tokens in chunks of about 2²¹ hidden values in both
     /// passes, so that no other `[tokens, d_ff]` tensor is ever whole: the peak memory of a
-    /// step is then the saved pre-activations plus a few MiB (the Liger-Kernel trade).
+    /// step is then the saved pre-activations plus a few MiB (the Liger-Kernel trade); with
+    /// hidden-layer dropout, its `[tokens, d_ff]` mask is kept too.
     Recompute,
 }
 
@@ -109,6 +110,8 @@ pub enum Pre<B: Backend> {
 pub trait FfnOps: Backend {
     /// `y = FFN(x)` for `x: [T, d_model]`. `w_up` is `[d_model, 2·d_ff]` (`[W_gate | W_up]`,
     /// with `b_up` its `[b_gate | b_up]`) when the network is gated and `w_gate` is absent.
+    /// `mask`, `[T, d_ff]`, is hidden-layer dropout's `m / (1 − p)` (`m` Bernoulli): `h ← h ⊙
+    /// mask`; it is a constant of the op, never differentiated.
     #[allow(clippy::too_many_arguments)]
     fn feed_forward(
         x: FloatTensor<Self>,
@@ -118,6 +121,7 @@ pub trait FfnOps: Backend {
         #[extension_type] b_gate: Maybe<Self>,
         #[extension_type] b_up: Maybe<Self>,
         #[extension_type] b_down: Maybe<Self>,
+        #[extension_type] mask: Maybe<Self>,
         spec: Spec,
     ) -> FloatTensor<Self>;
 }
@@ -157,6 +161,8 @@ struct Weights<B: Backend> {
     b_gate: Option<FloatTensor<B>>,
     b_up: Option<FloatTensor<B>>,
     b_down: Option<FloatTensor<B>>,
+    /// Hidden-layer dropout's `m / (1 − p)`, `[T, d_ff]`.
+    mask: Option<FloatTensor<B>>,
 }
 
 impl<B: Backend> Clone for Weights<B> {
@@ -168,6 +174,7 @@ impl<B: Backend> Clone for Weights<B> {
             b_gate: self.b_gate.clone(),
             b_up: self.b_up.clone(),
             b_down: self.b_down.clone(),
+            mask: self.mask.clone(),
         }
     }
 }
@@ -207,6 +214,19 @@ fn rows_of<B: Backend>(m: &FloatTensor<B>, r: &Range<usize>) -> FloatTensor<B> {
         Slice::new(0, Some(n as isize), 1),
     ];
     B::float_slice(m.clone(), &slices)
+}
+
+/// Dropout on the hidden layer: `h ⊙ mask` (rows `r` of the mask when `h` is a chunk).
+fn masked<B: Backend>(
+    h: FloatTensor<B>,
+    mask: &Option<FloatTensor<B>>,
+    r: Option<&Range<usize>>,
+) -> FloatTensor<B> {
+    match (mask, r) {
+        (None, _) => h,
+        (Some(m), None) => B::float_mul(h, m.clone()),
+        (Some(m), Some(r)) => B::float_mul(h, rows_of::<B>(m, r)),
+    }
 }
 
 impl<B: Backend> Pre<B> {
@@ -265,14 +285,14 @@ fn project_out_chunked<B: Kernels>(
 ) -> (FloatTensor<B>, Option<FloatTensor<B>>) {
     let ranges = chunks(pre, spec.memory);
     if ranges.len() == 1 {
-        let h = B::ffn_hidden(pre, spec.activation);
+        let h = masked::<B>(B::ffn_hidden(pre, spec.activation), &w.mask, None);
         return (project_out(h.clone(), w), Some(h));
     }
     let parts = ranges
         .iter()
         .map(|r| {
             let h = B::ffn_hidden(&pre.rows(r), spec.activation);
-            B::ffn_matmul(h, w.w_down.clone())
+            B::ffn_matmul(masked::<B>(h, &w.mask, Some(r)), w.w_down.clone())
         })
         .collect();
     (
@@ -301,10 +321,10 @@ fn project_in<B: Kernels>(x: &FloatTensor<B>, w: &Weights<B>, spec: Spec) -> Pre
     }
 }
 
-/// `y = h W_down + b_down` and the hidden activations `h`.
+/// The pre-activations and the hidden activations `h` (after dropout).
 fn forward<B: Kernels>(x: &FloatTensor<B>, w: &Weights<B>, spec: Spec) -> (Pre<B>, FloatTensor<B>) {
     let pre = project_in(x, w, spec);
-    let h = B::ffn_hidden(&pre, spec.activation);
+    let h = masked::<B>(B::ffn_hidden(&pre, spec.activation), &w.mask, None);
     (pre, h)
 }
 
@@ -329,6 +349,7 @@ macro_rules! inference_impl {
                 b_gate: Maybe<Self>,
                 b_up: Maybe<Self>,
                 b_down: Maybe<Self>,
+                mask: Maybe<Self>,
                 spec: Spec,
             ) -> FloatTensor<Self> {
                 let w = Weights {
@@ -338,6 +359,7 @@ macro_rules! inference_impl {
                     b_gate: b_gate.into_option(),
                     b_up: b_up.into_option(),
                     b_down: b_down.into_option(),
+                    mask: mask.into_option(),
                 };
                 inference::<Self>(x, w, spec)
             }
@@ -371,7 +393,7 @@ struct Saved<B: Backend> {
     x: FloatTensor<B>,
     weights: Weights<B>,
     pre: Pre<B>,
-    /// `h`, unless it is recomputed ([`Memory::Recompute`]).
+    /// `h` (after dropout), unless it is recomputed ([`Memory::Recompute`]).
     h: Option<FloatTensor<B>>,
     spec: Spec,
     present: Present,
@@ -416,7 +438,8 @@ impl<B: Kernels, const N: usize> Backward<B, N> for FeedForwardBackward {
         let spec = tests::maybe_break(spec);
 
         // The rest row chunk by row chunk (one chunk, the whole batch, unless recomputing):
-        // dW_down = hᵀ dy,  dh = dy W_downᵀ, then through φ (and the gating product) to the
+        // dW_down = hᵀ dy,  dh = dy W_downᵀ (⊙ the dropout mask, with h = φ(·) ⊙ mask, when
+        // there is one), then through φ (and the gating product) to the
         // pre-activations, then dW = xᵀ d(pre), db = Σ_T d(pre), dx = Σ d(pre) Wᵀ over the
         // projections; the weight gradients are summed over chunks.
         let ranges = chunks(&pre, spec.memory);
@@ -440,11 +463,16 @@ impl<B: Kernels, const N: usize> Backward<B, N> for FeedForwardBackward {
             if node_w_down.is_some() {
                 let h_r = match h.take() {
                     Some(h) => h,
-                    None => B::ffn_hidden(&pre_r, spec.activation),
+                    None => masked::<B>(
+                        B::ffn_hidden(&pre_r, spec.activation),
+                        &w.mask,
+                        (!whole).then_some(r),
+                    ),
                 };
                 accumulate::<B>(&mut dw_down, B::ffn_matmul(t::<B>(h_r), dy_r.clone()));
             }
             let dh = B::ffn_matmul(dy_r, t::<B>(w.w_down.clone()));
+            let dh = masked::<B>(dh, &w.mask, (!whole).then_some(r));
             let dpre = B::ffn_hidden_backward(dh, &pre_r, spec.activation);
             drop(pre_r);
             let projections = match dpre {
@@ -534,8 +562,11 @@ impl<B: Kernels, C: CheckpointStrategy> FfnOps for Autodiff<B, C> {
         b_gate: Maybe<Self>,
         b_up: Maybe<Self>,
         b_down: Maybe<Self>,
+        mask: Maybe<Self>,
         spec: Spec,
     ) -> FloatTensor<Self> {
+        // A constant of the op: its primitive, without a node.
+        let mask = mask.into_option().map(|m| m.into_parts().0);
         let (w_gate, b_gate, b_up, b_down) = (
             w_gate.into_option(),
             b_gate.into_option(),
@@ -568,6 +599,7 @@ impl<B: Kernels, C: CheckpointStrategy> FfnOps for Autodiff<B, C> {
             b_gate,
             b_up,
             b_down,
+            mask,
         };
         match nodes.len() {
             3 => tracked::<B, C, 3>(nodes, x, w, spec, present),
@@ -771,6 +803,7 @@ pub(crate) fn feed_forward(
     b_gate: Option<burn::tensor::Tensor<1>>,
     b_up: Option<burn::tensor::Tensor<1>>,
     b_down: Option<burn::tensor::Tensor<1>>,
+    mask: Option<burn::tensor::Tensor<2>>,
     spec: Spec,
 ) -> burn::tensor::Tensor<2> {
     use burn::backend::Dispatch;
@@ -783,6 +816,7 @@ pub(crate) fn feed_forward(
         maybe(b_gate.map(|t| t.into_dispatch())),
         maybe(b_up.map(|t| t.into_dispatch())),
         maybe(b_down.map(|t| t.into_dispatch())),
+        maybe(mask.map(|t| t.into_dispatch())),
         spec,
     );
     burn::tensor::Tensor::from_dispatch(y)
@@ -908,6 +942,113 @@ mod tests {
                 for (a, b) in chunked.into_iter().zip(&reference) {
                     let error: f64 = (a - b.clone()).abs().max().into_scalar();
                     assert!(error < 1e-12, "gated {gated}, fused {fused}: {error}");
+                }
+            }
+        }
+    }
+
+    /// With a dropout mask, the op's output and the gradients of `x` and every weight equal
+    /// those of the same function composed from burn's ops (autodiff), in `save` mode and in
+    /// `recompute` mode in chunks of a few rows (the mask cut into the same rows), ungated,
+    /// gated and fused, in f64.
+    #[test]
+    fn the_dropout_mask_is_applied_forward_and_backward() {
+        let device = Device::flex().autodiff();
+        let (t, d, f) = (37, 5, 7);
+        let data = |rows: usize, cols: usize, seed: usize| {
+            let v: Vec<f64> = (0..rows * cols)
+                .map(|i| ((i * 7919 + seed * 104729) % 1000) as f64 / 500.0 - 1.0)
+                .collect();
+            Tensor::<2>::from_data(burn::tensor::TensorData::new(v, [rows, cols]), &device)
+                .cast(DType::F64)
+        };
+        // Every third hidden value dropped, the others scaled by 1 / (1 - p).
+        let keep: Vec<f64> = (0..t * f)
+            .map(|i| if i % 3 == 1 { 0.0 } else { 1.0 / 0.7 })
+            .collect();
+        let mask = Tensor::<2>::from_data(burn::tensor::TensorData::new(keep, [t, f]), &device)
+            .cast(DType::F64);
+        let (x, g) = (data(t, d, 1), data(t, d, 2));
+        let (w_gate, w_up, w_down) = (data(d, f, 3), data(d, f, 4), data(f, d, 5));
+        let (b_up, b_down) = (data(1, f, 6).reshape([f]), data(1, d, 7).reshape([d]));
+        let phi = |a: Tensor<2>| burn::tensor::activation::gelu(a);
+        for (gated, fused) in [(false, false), (true, false), (true, true)] {
+            let leaves = || [&x, &w_gate, &w_up, &w_down].map(|t| t.clone().require_grad());
+            let b = || (b_up.clone().require_grad(), b_down.clone().require_grad());
+            let collect = |y: Tensor<2>, leaves: &[Tensor<2>; 4], b: &(Tensor<1>, Tensor<1>)| {
+                let grads = (y.clone() * g.clone()).sum().backward();
+                let mut all = vec![y.inner()];
+                for leaf in leaves {
+                    all.extend(leaf.grad(&grads).map(|t| t.reshape([1, -1])));
+                }
+                all.push(b.0.grad(&grads).unwrap().reshape([1, -1]));
+                all.push(b.1.grad(&grads).unwrap().reshape([1, -1]));
+                all
+            };
+            // The reference: h = φ(x W_gate) ⊙ (x W_up + b_up) or φ(x W_up + b_up), then
+            // (h ⊙ mask) W_down + b_down.
+            let reference = {
+                let [x, w_gate, w_up, w_down] = leaves();
+                let (bu, bd) = b();
+                let up = x.clone().matmul(w_up.clone()) + bu.clone().unsqueeze();
+                let h = if gated {
+                    phi(x.clone().matmul(w_gate.clone())) * up
+                } else {
+                    phi(up)
+                };
+                let y = (h * mask.clone()).matmul(w_down.clone()) + bd.clone().unsqueeze();
+                collect(y, &[x, w_gate, w_up, w_down], &(bu, bd))
+            };
+            for (memory, chunk) in [
+                (super::Memory::Save, super::CHUNK_ELEMENTS),
+                (super::Memory::Recompute, 3 * 7),
+                (super::Memory::Recompute, 10 * 14),
+            ] {
+                let [x, w_gate, w_up, w_down] = leaves();
+                let (bu, bd) = b();
+                let spec = Spec {
+                    activation: Activation::Gelu,
+                    gated,
+                    memory,
+                };
+                CHUNK.with(|c| c.set(chunk));
+                let y = if fused {
+                    // [W_gate | W_up] and [0 | b_up], as one product.
+                    let gu = Tensor::cat(vec![w_gate.clone(), w_up.clone()], 1);
+                    let b = Tensor::cat(vec![bu.clone().zeros_like(), bu.clone()], 0);
+                    super::feed_forward(
+                        x.clone(),
+                        None,
+                        gu,
+                        w_down.clone(),
+                        None,
+                        Some(b),
+                        Some(bd.clone()),
+                        Some(mask.clone()),
+                        spec,
+                    )
+                } else {
+                    super::feed_forward(
+                        x.clone(),
+                        gated.then(|| w_gate.clone()),
+                        w_up.clone(),
+                        w_down.clone(),
+                        None,
+                        Some(bu.clone()),
+                        Some(bd.clone()),
+                        Some(mask.clone()),
+                        spec,
+                    )
+                };
+                CHUNK.with(|c| c.set(super::CHUNK_ELEMENTS));
+                let op = collect(y, &[x, w_gate, w_up, w_down], &(bu, bd));
+                assert_eq!(op.len(), reference.len(), "gated {gated}, fused {fused}");
+                for (i, (a, b)) in op.into_iter().zip(&reference).enumerate() {
+                    let error: f64 = (a - b.clone()).abs().max().into_scalar();
+                    assert!(
+                        error < 1e-12,
+                        "gated {gated}, fused {fused}, {memory:?} chunk {chunk}, tensor {i}: {error}"
+                    );
                 }
             }
         }
