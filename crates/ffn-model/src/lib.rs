@@ -37,6 +37,7 @@ mod blas;
 mod config;
 #[cfg(feature = "flex")]
 mod cpu;
+pub mod dropout;
 mod error;
 pub mod files;
 pub mod hf;

@@ -20,9 +20,10 @@
 
 use burn::module::{Content, DisplaySettings, Module, ModuleDisplay, Param, ParamId};
 use burn::nn::{Dropout, DropoutConfig, Linear, LinearConfig};
-use burn::tensor::{Device, Distribution, Tensor};
+use burn::tensor::{Device, Tensor};
 
 use crate::activation::ActivationState;
+use crate::dropout;
 use crate::op::{self, Spec};
 use crate::{Activation, DropoutAt, FeedForwardConfig, Memory};
 
@@ -109,11 +110,6 @@ impl FeedForward {
     /// If the last dimension of `x` is not `d_model` (as burn's own layers do).
     pub fn forward<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
         self.check_input(&x);
-        // Dropout on h is applied where it is active: as burn's `Dropout::forward` decides.
-        let hidden_dropout = self.dropout_at == DropoutAt::Hidden
-            && self.dropout.prob > 0.0
-            && self.dropout.training.is_enabled()
-            && x.device().is_autodiff();
         // burn's `reshape` reads a 0 as "keep this dimension": an empty input stays composed.
         let empty = x.dims().contains(&0);
         if empty || !op::supported(&x.device()) {
@@ -121,17 +117,11 @@ impl FeedForward {
         }
         let shape = x.dims();
         let x = x.reshape([-1, self.d_model() as i32]);
-        // Dropout's mask m / (1 − p), m ~ Bernoulli(1 − p), drawn as `Dropout::forward` draws
-        // it on the composed path (the same stream, the same order of elements).
-        let mask = hidden_dropout.then(|| {
-            let keep = 1.0 - self.dropout.prob;
-            let shape = [x.dims()[0], self.d_ff()];
-            Tensor::<2>::random(
-                shape,
-                Distribution::Bernoulli(keep),
-                (&x.device(), x.dtype()),
-            ) * (1.0 / keep)
-        });
+        // Dropout on h: its mask is an input of the op.
+        let mask = match self.dropout_at {
+            DropoutAt::Hidden => self.dropout_mask::<2, 2>(&x, [x.dims()[0], self.d_ff()]),
+            DropoutAt::Output => None,
+        };
         let (w_gate, w_up, b_gate, b_up) = match (&self.gate_up, &self.gate, &self.up) {
             (Some(gate_up), _, _) => (None, gate_up, None, &gate_up.bias),
             (None, gate, Some(up)) => (
@@ -161,7 +151,7 @@ impl FeedForward {
         let y = y.reshape(shape);
         match self.dropout_at {
             DropoutAt::Hidden => y,
-            DropoutAt::Output => self.dropout.forward(y),
+            DropoutAt::Output => self.drop(y),
         }
     }
 
@@ -190,7 +180,7 @@ impl FeedForward {
             (None, _, None) => unreachable!("an unfused network has `up`"),
         };
         let h = match self.dropout_at {
-            DropoutAt::Hidden => self.dropout.forward(h),
+            DropoutAt::Hidden => self.drop(h),
             DropoutAt::Output => h,
         };
 
@@ -198,7 +188,29 @@ impl FeedForward {
         let y = self.down.forward(h);
         match self.dropout_at {
             DropoutAt::Hidden => y,
-            DropoutAt::Output => self.dropout.forward(y),
+            DropoutAt::Output => self.drop(y),
+        }
+    }
+
+    /// Dropout's mask `m / (1 − p)` for a tensor of `shape` on `x`'s device, where dropout is
+    /// active (as burn's `Dropout::forward` decides: in training, on an autodiff device, with
+    /// `p > 0`): from the device's random stream, or from this thread's seeded one inside
+    /// [`dropout::with_seed`](crate::dropout::with_seed).
+    fn dropout_mask<const D: usize, const E: usize>(
+        &self,
+        x: &Tensor<E>,
+        shape: [usize; D],
+    ) -> Option<Tensor<D>> {
+        let p = self.dropout.prob;
+        let active = p > 0.0 && self.dropout.training.is_enabled() && x.device().is_autodiff();
+        active.then(|| dropout::mask(shape.into(), &x.device(), x.dtype(), p))
+    }
+
+    /// `t ⊙ mask`: dropout of `t` where it is active.
+    fn drop<const D: usize>(&self, t: Tensor<D>) -> Tensor<D> {
+        match self.dropout_mask(&t, t.dims()) {
+            Some(mask) => t * mask,
+            None => t,
         }
     }
 

@@ -1,6 +1,6 @@
-//! Hidden-layer dropout through the FFN op draws the composed path's masks: with the same seed,
-//! `forward` (the op, the mask an input of it) and `forward_composed` (burn's `Dropout`) give
-//! the same outputs and gradients.
+//! Hidden-layer dropout through the FFN op draws the composed path's masks: with the same seed
+//! (the device's, or a scope's of `ffn_model::dropout::with_seed`), `forward` (the op, the mask
+//! an input of it) and `forward_composed` give the same outputs and gradients.
 //!
 //! One test in its own process: burn's random stream is process-wide, and another test drawing
 //! between the seed and the draw would change the masks.
@@ -80,6 +80,16 @@ fn the_op_draws_the_composed_paths_dropout_masks() {
             let what = format!("{activation:?}, gated {gated}, fused {fused}, {memory:?}");
             let error = largest_difference(&op, &composed);
             assert!(error < 1e-5, "{what}: op vs composed {error}");
+
+            // Inside a seeded scope too, and the scope's masks do not depend on the device's
+            // stream.
+            let scoped = |composed, device_seed| {
+                ffn_model::dropout::with_seed(5, || run(&ffn, composed, &x, &g, device_seed))
+            };
+            let op_scoped = scoped(false, 1);
+            let error = largest_difference(&op_scoped, &scoped(true, 2));
+            assert!(error < 1e-5, "{what}: seeded op vs composed {error}");
+            assert!(largest_difference(&op_scoped, &op) > 1e-2, "{what}: scope ignored");
 
             // The masks are really applied: another seed, other masks, another output; and
             // without dropout (validation mode) another output again.

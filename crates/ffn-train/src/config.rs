@@ -408,9 +408,10 @@ pub struct TrainSettings {
     /// Data parallelism on a CPU: each batch is cut into this many shards whose forward and
     /// backward passes run at once on rayon's threads, and their gradients are summed (the
     /// batch's mean gradient, up to the order of float additions). 0: one shard per rayon
-    /// thread on a CPU device, 1 on a GPU. With dropout the shards' forward passes run one
-    /// after another (the device's random stream is shared: drawing masks at once would make
-    /// runs irreproducible) and only their backward passes at once.
+    /// thread on a CPU device, 1 on a GPU. With dropout each shard draws the FFNs' masks from
+    /// its own seeded stream; with attention dropout (burn's, from the device's one random
+    /// stream) the shards' forward passes run one after another, in shard order, and only their
+    /// backward passes at once: either way a run stays reproducible.
     pub shards: usize,
 }
 

@@ -32,7 +32,7 @@ use burn::tensor::{Device, Tensor};
 use rayon::prelude::*;
 
 use crate::checkpoint::{self, RngState, State};
-use crate::config::{TaskConfig, TrainConfig, TrainSettings};
+use crate::config::{ModelConfig, TaskConfig, TrainConfig, TrainSettings};
 use crate::data::{Batch, Language, Task, Vocab};
 use crate::metrics::{self, Metrics, Progress, Record, Summary, Timing};
 use crate::model::Model;
@@ -161,6 +161,33 @@ fn is_cpu(device: &Device) -> bool {
     }
 }
 
+/// Where the dropout masks of a training step come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Masks {
+    /// The model has no dropout.
+    None,
+    /// The FFNs' dropout only: each shard's from its own stream, seeded from this one
+    /// ([`ffn_model::dropout::with_seed`]).
+    PerShard(u64),
+    /// Dropout outside the FFNs too (burn's attention): the device's random stream.
+    Device,
+}
+
+impl Masks {
+    /// The masks of step `step` of a run of `config` with seed `seed`.
+    pub fn of(config: &TrainConfig, seed: u64, step: usize) -> Masks {
+        let attention =
+            matches!(&config.model, ModelConfig::Transformer(m) if m.attention_dropout > 0.0);
+        if !config.uses_dropout() {
+            Masks::None
+        } else if attention {
+            Masks::Device
+        } else {
+            Masks::PerShard(Rng::derive_seed(seed, "ffn-dropout", step as u64))
+        }
+    }
+}
+
 /// The mean loss of `batch` and its gradients, the batch cut into `shards` parts computed at
 /// once (data parallelism over the CPU's threads).
 ///
@@ -175,19 +202,29 @@ fn is_cpu(device: &Device) -> bool {
 /// here is a mean over independent examples). The shards are summed in order, so a run stays
 /// reproducible for a given shard count.
 ///
-/// With dropout (`draws`), the shards' forward passes run one after another on this thread, in
-/// shard order, so that they draw their masks from the device's one random stream in the same
-/// order on every run; only their backward passes run at once.
+/// Dropout masks (see [`Masks`]): with [`Masks::PerShard`] shard `i` draws the FFNs' masks from
+/// its own seeded stream, so the shards run at once and a run stays reproducible; with
+/// [`Masks::Device`] the shards' forward passes run one after another on this thread, in shard
+/// order, so that they draw from the device's one random stream in the same order on every
+/// run, and only their backward passes run at once.
 pub fn loss_and_gradients(
     model: &Model,
     batch: &Batch,
     shards: usize,
-    draws: bool,
+    masks: Masks,
 ) -> (f64, GradientsParams) {
     let n = batch.len().max(1) as f64;
     let parts = batch.split(shards);
+    // Shard `i`'s forward pass, in its dropout stream.
+    let forward = |copy: &Model, part: &Batch, i: usize| match masks {
+        Masks::PerShard(seed) => {
+            let seed = Rng::derive_seed(seed, "shard", i as u64);
+            ffn_model::dropout::with_seed(seed, || copy.loss(part))
+        }
+        Masks::None | Masks::Device => copy.loss(part),
+    };
     if parts.len() == 1 {
-        let loss = model.loss(batch);
+        let loss = forward(model, batch, 0);
         let value = loss.clone().into_scalar::<f64>();
         return (value, GradientsParams::from_grads(loss.backward(), model));
     }
@@ -199,11 +236,12 @@ pub fn loss_and_gradients(
         let value = loss.clone().into_scalar::<f64>();
         (value, GradientsParams::from_grads(loss.backward(), copy))
     };
-    let results: Vec<(f64, GradientsParams)> = if draws {
+    let results: Vec<(f64, GradientsParams)> = if matches!(masks, Masks::Device) {
         let losses: Vec<Tensor<1>> = copies
             .iter()
             .zip(&parts)
-            .map(|(copy, part)| copy.loss(part) * (part.len() as f64 / n))
+            .enumerate()
+            .map(|(i, (copy, part))| forward(copy, part, i) * (part.len() as f64 / n))
             .collect();
         copies
             .into_par_iter()
@@ -215,9 +253,10 @@ pub fn loss_and_gradients(
         copies
             .into_par_iter()
             .zip(parts.into_par_iter())
+            .enumerate()
             .with_max_len(1)
-            .map(|(copy, part)| {
-                let loss = copy.loss(&part) * (part.len() as f64 / n);
+            .map(|(i, (copy, part))| {
+                let loss = forward(&copy, &part, i) * (part.len() as f64 / n);
                 backward(&copy, loss)
             })
             .collect()
@@ -745,8 +784,8 @@ impl Trainer {
             let batch = self
                 .task
                 .train_batch(seed, step, t.batch_size, &self.device);
-            let (value, mut grads) =
-                loss_and_gradients(&self.model, &batch, shards, self.config.uses_dropout());
+            let masks = Masks::of(&self.config, seed, step);
+            let (value, mut grads) = loss_and_gradients(&self.model, &batch, shards, masks);
             if !value.is_finite() {
                 progress.finish();
                 return Err(Error::Diverged {
@@ -1006,15 +1045,22 @@ mod tests {
                 batch.split(3).iter().map(Batch::len).collect::<Vec<_>>(),
                 [3, 3, 4]
             );
-            let summary = |shards: usize, draws: bool| {
-                let (loss, grads) = loss_and_gradients(&model, &batch, shards, draws);
+            let summary = |shards: usize, masks: Masks| {
+                let (loss, grads) = loss_and_gradients(&model, &batch, shards, masks);
                 let mut s = Summary(&grads, Vec::new());
                 model.visit(&mut s);
                 (loss, s.1)
             };
-            let (loss, grads) = summary(1, false);
-            for (shards, draws) in [(2, false), (3, false), (7, false), (2, true), (7, true)] {
-                let (l, g) = summary(shards, draws);
+            let (loss, grads) = summary(1, Masks::None);
+            for (shards, masks) in [
+                (2, Masks::None),
+                (3, Masks::None),
+                (7, Masks::None),
+                (2, Masks::Device),
+                (7, Masks::Device),
+                (3, Masks::PerShard(9)),
+            ] {
+                let (l, g) = summary(shards, masks);
                 assert!(
                     (l - loss).abs() <= 1e-6 * loss.abs(),
                     "{model}, {shards}: {l} vs {loss}"
