@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """ffn-train against its PyTorch twin (tools/twin_torch.py), runs taken in turn, same threads.
 
-    python3 tools/twin_compare.py [--configs default,configs/window.toml] [--steps 300]
+    python3 tools/twin_compare.py [--configs default,configs/window.toml,configs/text.toml] [--steps 300]
                                   [--rounds 2] [--threads 2] [--binary target/release/ffn-train]
 
 For each config and round: `ffn-train train` (evaluation and checkpoints only at the end), then
@@ -55,7 +55,7 @@ def timed(cmd, env):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--configs", default="default,configs/window.toml")
+    p.add_argument("--configs", default="default,configs/window.toml,configs/text.toml")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
