@@ -89,7 +89,10 @@ fn the_op_draws_the_composed_paths_dropout_masks() {
             let op_scoped = scoped(false, 1);
             let error = largest_difference(&op_scoped, &scoped(true, 2));
             assert!(error < 1e-5, "{what}: seeded op vs composed {error}");
-            assert!(largest_difference(&op_scoped, &op) > 1e-2, "{what}: scope ignored");
+            assert!(
+                largest_difference(&op_scoped, &op) > 1e-2,
+                "{what}: scope ignored"
+            );
 
             // The masks are really applied: another seed, other masks, another output; and
             // without dropout (validation mode) another output again.
