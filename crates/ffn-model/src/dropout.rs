@@ -83,15 +83,12 @@ pub(crate) fn mask<const D: usize>(
     };
     STREAM.with(|s| s.set(Some((seed, count + 1))));
     let key = mix(seed ^ count);
-    let scale = (1.0 / keep) as f32;
     let threshold = keep * 2f64.powi(64);
-    let values: Vec<f32> = (0..shape.num_elements() as u64)
-        .map(|i| {
-            let u = mix(key.wrapping_add(i)) as f64;
-            if u < threshold { scale } else { 0.0 }
-        })
+    let m: Vec<f32> = (0..shape.num_elements() as u64)
+        .map(|i| f32::from(u8::from((mix(key.wrapping_add(i)) as f64) < threshold)))
         .collect();
-    Tensor::from_data(TensorData::new(values, shape), options)
+    // Scaled as on the device's path, in the tensor's dtype.
+    Tensor::from_data(TensorData::new(m, shape), options) * (1.0 / keep)
 }
 
 #[cfg(test)]
@@ -104,9 +101,8 @@ mod tests {
     #[test]
     fn seeded_masks_are_repeatable_and_have_the_right_rate() {
         let device = Device::flex();
-        let mask = |_: &(), p| mask::<2>(Shape::new([100, 200]), &device, DType::F32, p);
-        let like = ();
-        let draw = |seed| with_seed(seed, || [mask(&like, 0.3), mask(&like, 0.3)]);
+        let mask = |p| mask::<2>(Shape::new([100, 200]), &device, DType::F32, p);
+        let draw = |seed| with_seed(seed, || [mask(0.3), mask(0.3)]);
         let [a, b] = draw(1);
         let [a2, b2] = draw(1);
         a.clone().into_data().assert_eq(&a2.into_data(), true);
@@ -127,11 +123,11 @@ mod tests {
         );
         // Nested: the inner scope does not advance the outer one's count.
         let outer = with_seed(3, || {
-            let first = mask(&like, 0.5);
-            let _ = with_seed(4, || mask(&like, 0.5));
-            [first, mask(&like, 0.5)]
+            let first = mask(0.5);
+            let _ = with_seed(4, || mask(0.5));
+            [first, mask(0.5)]
         });
-        let plain = with_seed(3, || [mask(&like, 0.5), mask(&like, 0.5)]);
+        let plain = with_seed(3, || [mask(0.5), mask(0.5)]);
         outer[1]
             .clone()
             .into_data()

@@ -202,8 +202,8 @@ impl Masks {
 /// here is a mean over independent examples). The shards are summed in order, so a run stays
 /// reproducible for a given shard count.
 ///
-/// Dropout masks (see [`Masks`]): with [`Masks::PerShard`] shard `i` draws the FFNs' masks from
-/// its own seeded stream, so the shards run at once and a run stays reproducible; with
+/// Dropout masks (see [`Masks`]): with [`Masks::PerShard`] and more than one shard, shard `i`
+/// draws the FFNs' masks from its own seeded stream, so the shards run at once and a run stays reproducible; with
 /// [`Masks::Device`] the shards' forward passes run one after another on this thread, in shard
 /// order, so that they draw from the device's one random stream in the same order on every
 /// run, and only their backward passes run at once.
@@ -224,7 +224,9 @@ pub fn loss_and_gradients(
         Masks::None | Masks::Device => copy.loss(part),
     };
     if parts.len() == 1 {
-        let loss = forward(model, batch, 0);
+        // One shard (a GPU, or `train.shards = 1`): the device's stream, where the masks are
+        // drawn on the device.
+        let loss = model.loss(batch);
         let value = loss.clone().into_scalar::<f64>();
         return (value, GradientsParams::from_grads(loss.backward(), model));
     }
