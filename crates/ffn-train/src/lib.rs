@@ -26,6 +26,7 @@ pub mod model;
 pub mod plot;
 pub mod rng;
 pub mod run;
+pub mod stats;
 pub mod training;
 
 pub use config::TrainConfig;
