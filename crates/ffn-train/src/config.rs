@@ -718,6 +718,11 @@ fn non_negative(name: &str, value: f64) -> Result<()> {
 }
 
 impl TaskConfig {
+    /// Whether the best achievable loss is known exactly (every task but a text file).
+    pub fn optimal_loss_known(&self) -> bool {
+        !matches!(self, TaskConfig::Text(_))
+    }
+
     /// Whether the task is language modelling (else regression).
     pub fn is_language(&self) -> bool {
         matches!(self, TaskConfig::Markov(_) | TaskConfig::Text(_))
@@ -879,7 +884,7 @@ pub fn bytes(b: u128) -> String {
 }
 
 /// A TOML error on one line: `line L, column C: message` when it has a position in `text`.
-fn toml_error(text: &str, e: &toml::de::Error) -> String {
+pub(crate) fn toml_error(text: &str, e: &toml::de::Error) -> String {
     let message = e.message().trim().replace('\n', " ");
     match e.span() {
         Some(span) if span.start <= text.len() => {

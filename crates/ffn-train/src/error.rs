@@ -81,6 +81,16 @@ pub enum Error {
         /// The run folder.
         run: PathBuf,
     },
+    /// A sweep stopped by SIGINT or SIGTERM, each running cell at a checkpoint.
+    #[error(
+        "sweep interrupted with {done} of {total} cells done; run the same command to continue it"
+    )]
+    SweepInterrupted {
+        /// Cells finished.
+        done: usize,
+        /// Cells in the grid.
+        total: usize,
+    },
     /// An error of `ffn-model` (weights, configs, Hugging Face folders).
     #[error(transparent)]
     Model(#[from] ffn_model::Error),

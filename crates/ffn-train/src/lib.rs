@@ -27,6 +27,7 @@ pub mod plot;
 pub mod rng;
 pub mod run;
 pub mod stats;
+pub mod sweep;
 pub mod training;
 
 pub use config::TrainConfig;

@@ -99,6 +99,29 @@ enum Command {
         #[command(flatten)]
         device: DeviceArg,
     },
+    /// Train a grid of runs (tasks × variants × seeds × learning rates) and compare the
+    /// variants' gaps to the optimum with 95% intervals and paired tests (see
+    /// configs/sweeps/). Writes results.jsonl, summary.json, report.md, gaps.svg and
+    /// curves.svg in the output folder; run it again to continue a sweep that stopped.
+    Sweep {
+        /// The sweep's TOML config.
+        #[arg(long)]
+        config: PathBuf,
+        /// The output folder (default: runs/<config name>).
+        #[arg(long)]
+        out: Option<PathBuf>,
+        /// Cells trained at a time, each in a process of its own.
+        #[arg(long, default_value_t = 1)]
+        jobs: usize,
+        /// Threads of each cell (default: the machine's cores divided by --jobs).
+        #[arg(long)]
+        threads: Option<usize>,
+        /// Print the cells and write nothing.
+        #[arg(long)]
+        dry_run: bool,
+        #[command(flatten)]
+        device: DeviceArg,
+    },
     /// Show the tensors of a safetensors file or Hugging Face model folder, the FFNs in it, their
     /// naming scheme and the FeedForwardConfig each would load with.
     Inspect {
@@ -194,7 +217,8 @@ fn main() -> ExitCode {
             let line = ffn_model::printable(&message.join(" "), MAX_ERROR_CHARS);
             eprintln!("error: {line}");
             match err {
-                ffn_train::Error::Interrupted { .. } => ExitCode::from(EXIT_INTERRUPTED),
+                ffn_train::Error::Interrupted { .. }
+                | ffn_train::Error::SweepInterrupted { .. } => ExitCode::from(EXIT_INTERRUPTED),
                 ffn_train::Error::Diverged { .. } => ExitCode::from(EXIT_DIVERGED),
                 _ => ExitCode::FAILURE,
             }
@@ -234,7 +258,10 @@ fn stop_cleanly_on_signals() {
 }
 
 fn run(cli: Cli) -> Result<()> {
-    if matches!(cli.command, Command::Train { .. } | Command::Resume { .. }) {
+    if matches!(
+        cli.command,
+        Command::Train { .. } | Command::Resume { .. } | Command::Sweep { .. }
+    ) {
         stop_cleanly_on_signals();
     }
     match cli.command {
@@ -343,6 +370,14 @@ fn run(cli: Cli) -> Result<()> {
             Ok(())
         }
         Command::Inspect { path, all } => inspect(&path, all),
+        Command::Sweep {
+            config,
+            out,
+            jobs,
+            threads,
+            dry_run,
+            device,
+        } => sweep(&config, out.as_deref(), jobs, threads, dry_run, device),
         Command::Sample {
             run,
             prompt,
@@ -390,6 +425,56 @@ fn run(cli: Cli) -> Result<()> {
             Ok(())
         }
     }
+}
+
+fn sweep(
+    config: &Path,
+    out: Option<&Path>,
+    jobs: usize,
+    threads: Option<usize>,
+    dry_run: bool,
+    device: DeviceArg,
+) -> Result<()> {
+    let sweep = ffn_train::sweep::Sweep::load(config, out)?;
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let options = ffn_train::sweep::Options {
+        program: std::env::current_exe().map_err(|e| ffn_train::Error::Io {
+            path: "<this program>".into(),
+            source: e,
+        })?,
+        jobs,
+        threads: threads.unwrap_or((cores / jobs.max(1)).max(1)),
+        device: device.device,
+    };
+    let done = sweep.finished()?.iter().filter(|r| r.is_some()).count();
+    let steps: usize = sweep.cells.iter().map(|c| c.config.train.steps).sum();
+    println!(
+        "sweep {}: {} tasks × {} variants × {} seeds, {} cells ({} done), {} steps in all | {} at a time, {} threads each | {}",
+        sweep.name,
+        sweep.config.tasks.len(),
+        sweep.config.variants.len(),
+        sweep.config.seeds.len(),
+        sweep.cells.len(),
+        done,
+        steps,
+        options.jobs,
+        options.threads,
+        sweep.folder.display()
+    );
+    if dry_run {
+        for cell in &sweep.cells {
+            println!("  {}", cell.id());
+        }
+        return Ok(());
+    }
+    let progress = Progress::auto(steps);
+    let summary = sweep.run(&options, &progress)?;
+    print!("{}", ffn_train::sweep::report(&summary));
+    println!(
+        "wrote {0}/results.jsonl, {0}/summary.json, {0}/report.md, {0}/gaps.svg, {0}/curves.svg",
+        sweep.folder.display()
+    );
+    Ok(())
 }
 
 fn inspect(path: &Path, all: bool) -> Result<()> {

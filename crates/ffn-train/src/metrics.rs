@@ -285,6 +285,15 @@ impl Progress {
         }
     }
 
+    /// Sets the bar's length (the total it counts to).
+    pub fn set_length(&self, total: usize) {
+        #[cfg(feature = "cli")]
+        if let Progress::Bar(bar) = self {
+            bar.set_length(total as u64);
+        }
+        let _ = total;
+    }
+
     /// Prints a line above the bar, or plainly.
     pub fn println(&self, line: &str) {
         match self {

@@ -2,8 +2,9 @@
 //!
 //! `loss.svg`: training loss (line), validation loss (line with dots) and the optimum (dashed),
 //! against steps. `gap.svg` (when the optimum is known): the gap to the optimum of both, on a
-//! log scale. Plain SVG, written by hand: it opens in any browser and needs no fonts or native
-//! libraries.
+//! log scale. A sweep's `gaps.svg` (mean gap with 95 % error bars per variant) and `curves.svg`
+//! (validation gaps per variant, log scale), one panel per task. Plain SVG, written by hand: it
+//! opens in any browser and needs no fonts or native libraries.
 
 use std::fmt::Write;
 
@@ -96,6 +97,183 @@ pub fn svg(title: &str, records: &[Record], optimum: Option<f64>) -> String {
 pub fn gap_svg(title: &str, records: &[Record]) -> String {
     let lines = train_and_valid(records, |r| r.gap.filter(|g| *g > 0.0));
     chart(title, "gap to the optimum (log scale)", &lines, None, true)
+}
+
+/// The colours of a sweep's variants, in order.
+const PALETTE: [&str; 10] = [
+    "#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf",
+    "#7f7f7f", "#bcbd22",
+];
+
+/// Panels stacked one above the other, each a complete SVG of `WIDTH × HEIGHT`.
+fn stack(panels: &[String]) -> String {
+    let mut out = format!(
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{}">"#,
+        HEIGHT * panels.len().max(1) as f64
+    );
+    out.push('\n');
+    for (i, panel) in panels.iter().enumerate() {
+        // A nested <svg> placed by its x/y: the panel keeps its own coordinates.
+        let placed = panel.replacen(
+            "<svg ",
+            &format!(r#"<svg x="0" y="{}" "#, HEIGHT * i as f64),
+            1,
+        );
+        out += &placed;
+    }
+    out.push_str("</svg>\n");
+    out
+}
+
+/// A line of a sweep's `curves.svg`: a variant's mean validation gap on a task, by step.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Curve {
+    /// The task.
+    pub task: String,
+    /// The variant.
+    pub variant: String,
+    /// `(step, gap)`.
+    pub points: Vec<(usize, f64)>,
+}
+
+/// A sweep's `curves.svg`: for each task a panel of the validation gap (log scale) against
+/// steps, one line per variant.
+pub fn curves_svg(name: &str, tasks: &[&str], curves: &[Curve]) -> String {
+    let panels: Vec<String> = tasks
+        .iter()
+        .map(|task| {
+            let series: Vec<Series> = curves
+                .iter()
+                .filter(|c| c.task == *task)
+                .enumerate()
+                .map(|(i, c)| Series {
+                    name: c.variant.clone(),
+                    color: PALETTE[i % PALETTE.len()],
+                    width: 1.6,
+                    dots: false,
+                    points: c
+                        .points
+                        .iter()
+                        .map(|&(s, g)| (s as f64, g))
+                        .filter(|p| p.1 > 0.0 && p.1.is_finite())
+                        .collect(),
+                })
+                .collect();
+            chart(
+                &format!("{name}: {task}, mean validation gap over seeds"),
+                "gap to the optimum (log scale)",
+                &series,
+                None,
+                true,
+            )
+        })
+        .collect();
+    stack(&panels)
+}
+
+/// A sweep's `gaps.svg`: for each task a panel of every variant's mean final gap (dot) and
+/// its 95 % interval (bar).
+pub fn gaps_svg(name: &str, summary: &crate::sweep::SweepSummary) -> String {
+    let mut tasks: Vec<&str> = Vec::new();
+    for v in &summary.variants {
+        if !tasks.contains(&v.task.as_str()) {
+            tasks.push(&v.task);
+        }
+    }
+    let panels: Vec<String> = tasks
+        .iter()
+        .map(|task| {
+            let rows: Vec<(&str, f64, f64, f64)> = summary
+                .variants
+                .iter()
+                .filter(|v| v.task == *task)
+                .filter_map(|v| Some((v.variant.as_str(), v.mean_gap?, v.ci95_low?, v.ci95_high?)))
+                .collect();
+            error_bars(
+                &format!("{name}: {task}, final gap, mean and 95% CI"),
+                &rows,
+            )
+        })
+        .collect();
+    stack(&panels)
+}
+
+/// One panel of labelled means with intervals: `(label, mean, low, high)`.
+fn error_bars(title: &str, rows: &[(&str, f64, f64, f64)]) -> String {
+    let (mut lo, mut hi) = rows
+        .iter()
+        .fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), r| {
+            (a.min(r.2), b.max(r.3))
+        });
+    if !lo.is_finite() {
+        (lo, hi) = (0.0, 1.0);
+    }
+    let pad = ((hi - lo) * 0.08).max(1e-6);
+    let (lo, hi) = (lo - pad, hi + pad);
+    let (x0, x1, y0, y1) = (LEFT, WIDTH - RIGHT, TOP, HEIGHT - BOTTOM - 20.0);
+    let slot = (x1 - x0) / rows.len().max(1) as f64;
+    let x = |i: usize| x0 + slot * (i as f64 + 0.5);
+    let y = |v: f64| y0 + (hi - v) / (hi - lo) * (y1 - y0);
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{HEIGHT}" font-family="sans-serif" font-size="12">"#
+    );
+    let _ = writeln!(out, r#"<rect width="100%" height="100%" fill="white"/>"#);
+    let _ = writeln!(
+        out,
+        r#"<text x="{}" y="22" text-anchor="middle" font-size="15">{}</text>"#,
+        WIDTH / 2.0,
+        escape(title)
+    );
+    for t in ticks(lo, hi, 6) {
+        let _ = writeln!(
+            out,
+            r##"<line x1="{x0}" x2="{x1}" y1="{yy:.1}" y2="{yy:.1}" stroke="#e5e5e5"/><text x="{tx}" y="{ty:.1}" text-anchor="end">{}</text>"##,
+            label(t),
+            yy = y(t),
+            tx = x0 - 6.0,
+            ty = y(t) + 4.0
+        );
+    }
+    let _ = writeln!(
+        out,
+        r#"<rect x="{x0}" y="{y0}" width="{}" height="{}" fill="none" stroke="black"/>"#,
+        x1 - x0,
+        y1 - y0
+    );
+    let _ = writeln!(
+        out,
+        r#"<text x="16" y="{c}" text-anchor="middle" transform="rotate(-90 16 {c})">final gap to the optimum</text>"#,
+        c = (y0 + y1) / 2.0
+    );
+    for (i, (name, mean, low, high)) in rows.iter().enumerate() {
+        let color = PALETTE[i % PALETTE.len()];
+        let xx = x(i);
+        let _ = writeln!(
+            out,
+            r#"<line x1="{xx:.1}" x2="{xx:.1}" y1="{:.1}" y2="{:.1}" stroke="{color}" stroke-width="2"/><line x1="{:.1}" x2="{:.1}" y1="{:.1}" y2="{:.1}" stroke="{color}" stroke-width="2"/><line x1="{:.1}" x2="{:.1}" y1="{:.1}" y2="{:.1}" stroke="{color}" stroke-width="2"/><circle cx="{xx:.1}" cy="{:.1}" r="4" fill="{color}"/>"#,
+            y(*low),
+            y(*high),
+            xx - 6.0,
+            xx + 6.0,
+            y(*low),
+            y(*low),
+            xx - 6.0,
+            xx + 6.0,
+            y(*high),
+            y(*high),
+            y(*mean),
+        );
+        let _ = writeln!(
+            out,
+            r#"<text x="{xx:.1}" y="{:.1}" text-anchor="middle">{}</text>"#,
+            y1 + 18.0 + if i % 2 == 1 { 14.0 } else { 0.0 },
+            escape(name)
+        );
+    }
+    out.push_str("</svg>\n");
+    out
 }
 
 /// A chart of `lines` against steps, with a dashed horizontal `reference`; on a log10 scale
@@ -240,6 +418,68 @@ fn escape(s: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn sweep_plots_have_a_panel_per_task_and_a_mark_per_variant() {
+        let curve = |task: &str, variant: &str, points| Curve {
+            task: task.into(),
+            variant: variant.into(),
+            points,
+        };
+        let curves = curves_svg(
+            "s",
+            &["a", "b"],
+            &[
+                curve("a", "FFN_ReLU", vec![(10, 0.1), (20, 0.01)]),
+                curve("a", "FFN_GLU", vec![(10, 0.2), (20, -0.01)]),
+                curve("b", "FFN_ReLU", vec![(10, 0.3)]),
+            ],
+        );
+        assert_eq!(curves.matches("<svg").count(), 3, "{curves}");
+        assert_eq!(curves.matches("<polyline").count(), 3);
+        assert!(curves.contains("FFN_GLU") && curves.contains(r#"y="420""#));
+        let entry = |task: &str, variant: &str, mean: f64| crate::sweep::VariantSummary {
+            task: task.into(),
+            variant: variant.into(),
+            lr: Some(1e-3),
+            rank: Some(1),
+            n: 3,
+            mean_gap: Some(mean),
+            std_gap: Some(0.01),
+            stderr_gap: Some(0.005),
+            ci95_low: Some(mean - 0.02),
+            ci95_high: Some(mean + 0.02),
+            mean_best_gap: Some(mean),
+            tokens_per_s: Some(1.0),
+            params: 10,
+            ffn_params: 5,
+            gap_by_lr: vec![],
+        };
+        let summary = crate::sweep::SweepSummary {
+            name: "s".into(),
+            baseline: "FFN_ReLU".into(),
+            method: String::new(),
+            variants: vec![
+                entry("a", "FFN_ReLU", 0.1),
+                entry("a", "FFN_GLU", 0.05),
+                entry("b", "FFN_ReLU", 0.2),
+            ],
+            comparisons: vec![],
+            cells_done: 9,
+            cells_total: 9,
+            cell_time_s: 1.0,
+        };
+        let gaps = gaps_svg("s", &summary);
+        assert_eq!(gaps.matches("<svg").count(), 3);
+        assert_eq!(gaps.matches("<circle").count(), 3);
+        // The smaller mean sits lower (a larger y) than the larger one in the same panel.
+        let cy: Vec<f64> = gaps
+            .lines()
+            .filter_map(|l| l.split("cy=\"").nth(1))
+            .map(|r| r.split('"').next().unwrap().parse().unwrap())
+            .collect();
+        assert!(cy[1] > cy[0], "{cy:?}");
+    }
 
     #[test]
     fn ticks_are_round_and_cover_the_range() {
