@@ -50,13 +50,16 @@
 //!
 //! ## Running and resuming
 //! Each cell trains in a process of its own (the `ffn-train` binary given in [`Options`]) with
-//! `threads` rayon threads, `jobs` at a time. A sweep resumes where it stopped: a cell with a
-//! result is skipped, one with a checkpoint is resumed from it, any other is started. A
-//! cell's run is deterministic, so a resumed sweep writes the same results as one that ran
-//! straight through (all but the timings, `tokens_per_s` and `wall_time_s`). A cell whose
-//! folder holds a run of another config (the sweep file was edited) is an error, never
-//! overwritten. SIGINT/SIGTERM stop the running cells at a checkpoint; the sweep then exits
-//! as interrupted.
+//! `threads` rayon threads, `jobs` at a time, in grid order but for the first cell of each
+//! task, which runs first: the progress line's ETA then knows every task's pace (seconds per
+//! step) early, and counts each task's remaining steps at its own pace.
+//!
+//! A sweep resumes where it stopped: a cell with a result is skipped, one with a checkpoint is
+//! resumed from it, any other is started. A cell's run is deterministic, so a resumed sweep
+//! writes the same results as one that ran straight through (all but the timings,
+//! `tokens_per_s` and `wall_time_s`). A cell whose folder holds a run of another config (the
+//! sweep file was edited) is an error, never overwritten. SIGINT/SIGTERM stop the running
+//! cells at a checkpoint; the sweep then exits as interrupted (status 130).
 
 use std::collections::BTreeMap;
 use std::fs::{self, File};
@@ -481,52 +484,71 @@ impl Sweep {
         for &i in &pending {
             self.check_folder(&self.cells[i])?;
         }
+        // The first cell of each task runs first: the ETA then knows every task's pace.
+        let mut pending = pending;
+        let mut firsts: Vec<usize> = Vec::new();
+        for &i in &pending {
+            if !firsts
+                .iter()
+                .any(|&f| self.cells[f].task == self.cells[i].task)
+            {
+                firsts.push(i);
+            }
+        }
+        pending.retain(|i| !firsts.contains(i));
+        let pending: Vec<usize> = firsts.into_iter().chain(pending).collect();
         let total_steps: usize = pending
             .iter()
             .map(|&i| self.cells[i].config.train.steps)
             .sum();
         progress.set_length(total_steps);
-        let started = Instant::now();
-        // Steps of the cells finished, and of those running, in this invocation.
-        let (mut steps_done, mut live) = (0, 0);
-        let mut queue = pending.into_iter();
-        let mut running: Vec<(usize, Child)> = Vec::new();
+        // Steps of the cells finished in this invocation; seconds per step of each task.
+        let mut steps_done = 0;
+        let mut pace = Pace::default();
+        let mut eta = "unknown".to_string();
+        let mut queue = pending.into_iter().peekable();
+        let mut running: Vec<(usize, Child, Instant)> = Vec::new();
         let mut failure: Option<Error> = None;
         let mut stopping = false;
         loop {
             if !stopping && (failure.is_some() || crate::training::stop_requested()) {
                 // Every running cell stops at a checkpoint; no new one starts.
                 stopping = true;
-                for (_, child) in &mut running {
+                for (_, child, _) in &mut running {
                     stop(child);
                 }
             }
             while !stopping && running.len() < options.jobs {
                 let Some(i) = queue.next() else { break };
-                running.push((i, self.spawn(&self.cells[i], options)?));
+                running.push((i, self.spawn(&self.cells[i], options)?, Instant::now()));
             }
             if running.is_empty() {
                 break;
             }
             std::thread::sleep(Duration::from_millis(100));
             let mut still = Vec::new();
-            for (i, mut child) in running {
+            for (i, mut child, spawned) in running {
                 let cell = &self.cells[i];
                 match child.try_wait().map_err(Error::io(&options.program))? {
-                    None => still.push((i, child)),
+                    None => still.push((i, child, spawned)),
                     Some(status) => match self.finish(cell, status.code()) {
                         Ok(Some(result)) => {
                             steps_done += cell.config.train.steps;
+                            pace.record(
+                                &cell.task,
+                                spawned.elapsed().as_secs_f64(),
+                                cell.config.train.steps,
+                            );
                             let done = results.iter().filter(|r| r.is_some()).count() + 1;
-                            let eta = eta(started, steps_done + live, total_steps);
                             progress.println(&format!(
-                                "[{done}/{}] {}: gap {} | {:.0} tok/s | ETA {eta}",
+                                "[{done}/{}] {}: gap {} | {:.0} tok/s | {} | ETA {eta}",
                                 self.cells.len(),
                                 cell.id(),
                                 result
                                     .final_gap
                                     .map_or("diverged".into(), |g| format!("{g:+.4}")),
                                 result.tokens_per_s.unwrap_or(0.0),
+                                metrics::duration(spawned.elapsed().as_secs_f64()),
                             ));
                             results[i] = Some(result);
                             self.write_results(&results)?;
@@ -547,20 +569,31 @@ impl Sweep {
             }
             running = still;
             if !stopping {
-                live = running
-                    .iter()
-                    .map(|(i, _)| latest_step(&self.cell_path(&self.cells[*i], "")))
-                    .sum();
+                // What is left: the running cells' remaining steps and the queued cells'.
+                let mut live = 0;
+                let mut left: Vec<(&str, usize)> = Vec::new();
+                for (i, _, _) in &running {
+                    let cell = &self.cells[*i];
+                    let step = latest_step(&self.cell_path(cell, "")).min(cell.config.train.steps);
+                    live += step;
+                    left.push((&cell.task, cell.config.train.steps - step));
+                }
+                left.extend(queue.clone().map(|i| {
+                    (
+                        self.cells[i].task.as_str(),
+                        self.cells[i].config.train.steps,
+                    )
+                }));
                 let done = results.iter().filter(|r| r.is_some()).count();
+                eta = pace.eta(&left, options.jobs);
                 progress.update(
                     steps_done + live,
                     &format!(
-                        "[{done}/{}] ETA {} | running {}",
+                        "[{done}/{}] ETA {eta} | running {}",
                         self.cells.len(),
-                        eta(started, steps_done + live, total_steps),
                         running
                             .iter()
-                            .map(|(i, _)| self.cells[*i].id())
+                            .map(|(i, _, _)| self.cells[*i].id())
                             .collect::<Vec<_>>()
                             .join(", ")
                     ),
@@ -831,13 +864,44 @@ fn stop(child: &mut Child) {
     let _ = child.kill();
 }
 
-/// The time left if the remaining steps go at the pace of the first `done` of `total`.
-fn eta(started: Instant, done: usize, total: usize) -> String {
-    if done == 0 {
-        return "unknown".into();
+/// Seconds per step of each task, from the cells finished so far (tasks differ: a step of a
+/// transformer costs more than one of a small regression FFN).
+#[derive(Debug, Default)]
+struct Pace {
+    tasks: BTreeMap<String, (f64, usize)>,
+}
+
+impl Pace {
+    fn record(&mut self, task: &str, seconds: f64, steps: usize) {
+        let entry = self.tasks.entry(task.to_string()).or_default();
+        entry.0 += seconds;
+        entry.1 += steps;
     }
-    let elapsed = started.elapsed().as_secs_f64();
-    metrics::duration(elapsed / done as f64 * total.saturating_sub(done) as f64)
+
+    /// The time `left` (task, steps) takes at `jobs` cells at a time: each task at its own
+    /// pace, a task not yet timed at the mean pace of the others. `unknown` before any.
+    fn eta(&self, left: &[(&str, usize)], jobs: usize) -> String {
+        let (seconds, steps) = self
+            .tasks
+            .values()
+            .fold((0.0, 0), |(s, n), (a, b)| (s + a, n + b));
+        if steps == 0 {
+            return "unknown".into();
+        }
+        let mean = seconds / steps as f64;
+        let total: f64 = left
+            .iter()
+            .map(|&(task, steps)| {
+                let pace = self
+                    .tasks
+                    .get(task)
+                    .filter(|p| p.1 > 0)
+                    .map_or(mean, |p| p.0 / p.1 as f64);
+                pace * steps as f64
+            })
+            .sum();
+        metrics::duration(total / jobs.max(1) as f64)
+    }
 }
 
 /// The newest step in a run's `metrics.jsonl` (0 if none): progress within a running cell.
@@ -1222,6 +1286,20 @@ mod tests {
             "{report}"
         );
         assert!(report.contains("| FFN_GLU | 0.0600 | – |"), "{report}");
+    }
+
+    /// Each task at its own pace; an untimed task at the mean pace of the timed ones.
+    #[test]
+    fn the_eta_times_each_task_at_its_own_pace() {
+        let mut pace = Pace::default();
+        assert_eq!(pace.eta(&[("a", 10)], 1), "unknown");
+        pace.record("a", 10.0, 100); // 0.1 s a step
+        pace.record("b", 1.0, 100); // 0.01 s a step
+        // 0.1·300 + 0.01·1000 = 40 s; with 2 jobs 20 s.
+        assert_eq!(pace.eta(&[("a", 300), ("b", 1000)], 1), "40.0s");
+        assert_eq!(pace.eta(&[("a", 300), ("b", 1000)], 2), "20.0s");
+        // Unknown task: (10 + 1)/200 = 0.055 s a step.
+        assert_eq!(pace.eta(&[("c", 1000)], 1), "55.0s");
     }
 
     #[test]
