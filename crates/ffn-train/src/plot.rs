@@ -198,22 +198,29 @@ pub fn gaps_svg(name: &str, summary: &crate::sweep::SweepSummary) -> String {
     stack(&panels)
 }
 
-/// One panel of labelled means with intervals: `(label, mean, low, high)`.
-fn error_bars(title: &str, rows: &[(&str, f64, f64, f64)]) -> String {
-    let (mut lo, mut hi) = rows
-        .iter()
-        .fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), r| {
-            (a.min(r.2), b.max(r.3))
-        });
+/// `[lo, hi]` of `values`, widened by `pad` of its span on each side (`[0, 1]` if empty).
+fn padded_range(values: impl Iterator<Item = f64>, pad: f64) -> (f64, f64) {
+    let (mut lo, mut hi) = values.fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), v| {
+        (a.min(v), b.max(v))
+    });
     if !lo.is_finite() {
         (lo, hi) = (0.0, 1.0);
     }
-    let pad = ((hi - lo) * 0.08).max(1e-6);
-    let (lo, hi) = (lo - pad, hi + pad);
-    let (x0, x1, y0, y1) = (LEFT, WIDTH - RIGHT, TOP, HEIGHT - BOTTOM - 20.0);
-    let slot = (x1 - x0) / rows.len().max(1) as f64;
-    let x = |i: usize| x0 + slot * (i as f64 + 0.5);
-    let y = |v: f64| y0 + (hi - v) / (hi - lo) * (y1 - y0);
+    let pad = ((hi - lo) * pad).max(1e-6);
+    (lo - pad, hi + pad)
+}
+
+/// The start of a `WIDTH × HEIGHT` panel: background, title, the plot box `(x0, x1, y0, y1)`
+/// with horizontal grid lines at the ticks of `[lo, hi]` (drawn at `y(t)`, labelled
+/// `label_of(t)`), and the vertical axis's name.
+fn panel(
+    title: &str,
+    y_name: &str,
+    (x0, x1, y0, y1): (f64, f64, f64, f64),
+    (lo, hi): (f64, f64),
+    y: impl Fn(f64) -> f64,
+    label_of: impl Fn(f64) -> String,
+) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
@@ -230,7 +237,7 @@ fn error_bars(title: &str, rows: &[(&str, f64, f64, f64)]) -> String {
         let _ = writeln!(
             out,
             r##"<line x1="{x0}" x2="{x1}" y1="{yy:.1}" y2="{yy:.1}" stroke="#e5e5e5"/><text x="{tx}" y="{ty:.1}" text-anchor="end">{}</text>"##,
-            label(t),
+            label_of(t),
             yy = y(t),
             tx = x0 - 6.0,
             ty = y(t) + 4.0
@@ -244,8 +251,27 @@ fn error_bars(title: &str, rows: &[(&str, f64, f64, f64)]) -> String {
     );
     let _ = writeln!(
         out,
-        r#"<text x="16" y="{c}" text-anchor="middle" transform="rotate(-90 16 {c})">final gap to the optimum</text>"#,
+        r#"<text x="16" y="{c}" text-anchor="middle" transform="rotate(-90 16 {c})">{}</text>"#,
+        escape(y_name),
         c = (y0 + y1) / 2.0
+    );
+    out
+}
+
+/// One panel of labelled means with intervals: `(label, mean, low, high)`.
+fn error_bars(title: &str, rows: &[(&str, f64, f64, f64)]) -> String {
+    let (lo, hi) = padded_range(rows.iter().flat_map(|r| [r.2, r.3]), 0.08);
+    let (x0, x1, y0, y1) = (LEFT, WIDTH - RIGHT, TOP, HEIGHT - BOTTOM - 20.0);
+    let slot = (x1 - x0) / rows.len().max(1) as f64;
+    let x = |i: usize| x0 + slot * (i as f64 + 0.5);
+    let y = |v: f64| y0 + (hi - v) / (hi - lo) * (y1 - y0);
+    let mut out = panel(
+        title,
+        "final gap to the optimum",
+        (x0, x1, y0, y1),
+        (lo, hi),
+        y,
+        label,
     );
     for (i, (name, mean, low, high)) in rows.iter().enumerate() {
         let color = PALETTE[i % PALETTE.len()];
@@ -296,44 +322,14 @@ fn chart(
         .flat_map(|s| &s.points)
         .map(|p| p.0)
         .fold(1.0, f64::max);
-    let (mut lo, mut hi) = all
-        .iter()
-        .fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), &v| {
-            (a.min(v), b.max(v))
-        });
-    if !lo.is_finite() {
-        (lo, hi) = (0.0, 1.0);
-    }
-    let pad = ((hi - lo) * 0.05).max(1e-6);
-    let (lo, hi) = (lo - pad, hi + pad);
+    let (lo, hi) = padded_range(all.into_iter(), 0.05);
     let x = |step: f64| LEFT + step / max_step * (WIDTH - LEFT - RIGHT);
     // `v` already scaled.
     let y = |v: f64| TOP + (hi - v) / (hi - lo) * (HEIGHT - TOP - BOTTOM);
-
-    let mut out = String::new();
-    let _ = writeln!(
-        out,
-        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{HEIGHT}" font-family="sans-serif" font-size="12">"#
-    );
-    let _ = writeln!(out, r#"<rect width="100%" height="100%" fill="white"/>"#);
-    let _ = writeln!(
-        out,
-        r#"<text x="{}" y="22" text-anchor="middle" font-size="15">{}</text>"#,
-        WIDTH / 2.0,
-        escape(title)
-    );
-    // Axes, grid and ticks.
     let (x0, x1, y0, y1) = (LEFT, WIDTH - RIGHT, TOP, HEIGHT - BOTTOM);
-    for t in ticks(lo, hi, 6) {
-        let _ = writeln!(
-            out,
-            r##"<line x1="{x0}" x2="{x1}" y1="{yy:.1}" y2="{yy:.1}" stroke="#e5e5e5"/><text x="{tx}" y="{ty:.1}" text-anchor="end">{}</text>"##,
-            label(if log { 10f64.powf(t) } else { t }),
-            yy = y(t),
-            tx = x0 - 6.0,
-            ty = y(t) + 4.0
-        );
-    }
+    let mut out = panel(title, y_name, (x0, x1, y0, y1), (lo, hi), y, |t| {
+        label(if log { 10f64.powf(t) } else { t })
+    });
     for t in ticks(0.0, max_step, 8) {
         let _ = writeln!(
             out,
@@ -345,18 +341,9 @@ fn chart(
     }
     let _ = writeln!(
         out,
-        r#"<rect x="{x0}" y="{y0}" width="{}" height="{}" fill="none" stroke="black"/>"#,
-        x1 - x0,
-        y1 - y0
-    );
-    let _ = writeln!(
-        out,
-        r#"<text x="{}" y="{}" text-anchor="middle">step</text><text x="16" y="{}" text-anchor="middle" transform="rotate(-90 16 {})">{}</text>"#,
+        r#"<text x="{}" y="{}" text-anchor="middle">step</text>"#,
         (x0 + x1) / 2.0,
         HEIGHT - 12.0,
-        (y0 + y1) / 2.0,
-        (y0 + y1) / 2.0,
-        escape(y_name)
     );
     let mut legend = Vec::new();
     if let Some((text, value)) = reference {
