@@ -68,3 +68,29 @@ fn each_variant_config_trains_its_variant_and_differs_only_there() {
         );
     }
 }
+
+/// The shipped sweeps plan: every cell's config resolves and validates, at parameter parity,
+/// and the presets are the grids their files and the README describe.
+#[test]
+fn every_shipped_sweep_plans_the_grid_it_describes() {
+    use ffn::train::sweep::Sweep;
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/sweeps");
+    let quick = Sweep::load(&root.join("quick.toml"), None).unwrap();
+    assert_eq!(quick.config.variants.len(), 8);
+    assert_eq!(quick.config.seeds.len(), 3);
+    assert_eq!(quick.cells.len(), 2 * 8 * 3);
+    assert_eq!(quick.folder, Path::new("runs/quick"));
+    let full = Sweep::load(&root.join("full.toml"), None).unwrap();
+    assert_eq!(full.config.variants, Variant::ALL.to_vec());
+    assert!(full.config.seeds.len() >= 5);
+    // Two language tasks × 4 LRs and two teacher tasks × 3 LRs, 8 variants, 5 seeds.
+    assert_eq!(full.cells.len(), (2 * 4 + 2 * 3) * 8 * 5);
+    for cell in quick.cells.iter().chain(&full.cells) {
+        assert_eq!(cell.config.seed, cell.seed);
+        assert_eq!(cell.config.train.lr, cell.lr);
+        assert_eq!(
+            cell.config.ffn().unwrap().d_ff,
+            ffn::FeedForwardConfig::preset(cell.variant, cell.config.ffn().unwrap().d_model).d_ff
+        );
+    }
+}
