@@ -264,10 +264,12 @@ fn a_tiny_sweep_writes_every_file_and_its_statistics_follow_from_its_results() {
 #[test]
 fn a_sweep_stopped_half_way_continues_to_the_same_results() {
     let dir = scratch("sweep-resume");
-    // Longer cells, so that the sweep is stopped inside one.
-    let sweep = SWEEP.replace(
+    // One LR (8 cells) and long teacher cells: the sweep is stopped inside one, with 1,480 of
+    // its steps to go when the signal is sent (a margin of about a second, also on a loaded
+    // machine).
+    let sweep = SWEEP.replace("lrs = [3e-3, 1e-2]", "lrs = [3e-3]").replace(
         "set = [\"train.steps=30\"]",
-        "set = [\"train.steps=300\", \"train.checkpoint_every=20\", \"train.eval_every=50\"]",
+        "set = [\"train.steps=1500\", \"train.checkpoint_every=20\", \"train.eval_every=100\"]",
     );
     write_sweep(&dir, &sweep);
     let straight = ffn_train(
@@ -284,7 +286,7 @@ fn a_sweep_stopped_half_way_continues_to_the_same_results() {
     );
     assert!(straight.status.success(), "{}", stderr(&straight));
 
-    // Stop it once the first teacher cell (300 steps; the second cell to run, as the first of
+    // Stop it once the first teacher cell (the second cell to run, as the first of
     // each task runs first) has written a checkpoint.
     let child = Command::new(env!("CARGO_BIN_EXE_ffn-train"))
         .args([
@@ -314,7 +316,7 @@ fn a_sweep_stopped_half_way_continues_to_the_same_results() {
     assert_eq!(stopped.status.code(), Some(130), "{}", stderr(&stopped));
     let err = stderr(&stopped);
     assert!(
-        err.contains("sweep interrupted with 1 of 16 cells done"),
+        err.contains("sweep interrupted with 1 of 8 cells done"),
         "{err}"
     );
     // The cell stopped at a checkpoint, with no result: it resumes, it does not start over.
@@ -338,7 +340,7 @@ fn a_sweep_stopped_half_way_continues_to_the_same_results() {
         &dir,
     );
     assert!(resumed.status.success(), "{}", stderr(&resumed));
-    assert!(stdout(&resumed).contains("16 cells (1 done)"));
+    assert!(stdout(&resumed).contains("8 cells (1 done)"));
     let log = std::fs::read_to_string(cell.with_extension("log")).unwrap();
     assert!(log.contains("resuming at step"), "{log}");
     assert_eq!(
