@@ -7,10 +7,11 @@
 //!   nothing is downloaded), or on a text file the user points at;
 //! - teacher-student regression (optimal MSE = σ²), or a smooth multi-output map.
 //!
-//! The binary `ffn-train` (`train`, `resume`, `eval`, `sample`) drives it from TOML configs;
-//! each run writes a folder with its resolved config, metrics (JSONL and CSV), checkpoints, a
-//! summary and a loss plot. Layout, as in burn's examples: [`data`], [`model`], [`training`],
-//! [`inference`].
+//! The binary `ffn-train` (`train`, `resume`, `eval`, `sample`, `inspect`, `sweep`) drives it
+//! from TOML configs; each run writes a folder with its resolved config, metrics (JSONL and
+//! CSV), checkpoints, a summary and a loss plot, and a [`sweep`] compares the variants over a
+//! grid of seeds, learning rates and tasks. Layout, as in burn's examples: [`data`], [`model`],
+//! [`training`], [`inference`].
 
 #[cfg(feature = "flex")]
 pub mod attention;
