@@ -70,7 +70,7 @@ use std::time::{Duration, Instant};
 use ffn_model::Variant;
 use serde::{Deserialize, Serialize};
 
-use crate::config::{ModelConfig, TrainConfig};
+use crate::config::TrainConfig;
 use crate::metrics::{self, Progress};
 use crate::stats;
 use crate::{Error, Result};
@@ -826,12 +826,7 @@ impl Sweep {
 /// The variant's preset must decide the FFN's width, activation and gating.
 fn check_parity(config: &TrainConfig, variant: Variant, task: &str) -> Result<()> {
     let ffn = config.ffn()?;
-    let d_model = match &config.model {
-        ModelConfig::Transformer(m) => m.d_model,
-        ModelConfig::Window(m) => m.d_model,
-        ModelConfig::Ffn(m) => m.d_model,
-    };
-    let preset = ffn_model::FeedForwardConfig::preset(variant, d_model);
+    let preset = ffn_model::FeedForwardConfig::preset(variant, ffn.d_model);
     if (ffn.d_ff, ffn.activation, ffn.gated) != (preset.d_ff, preset.activation, preset.gated) {
         return Err(Error::Config(format!(
             "task `{task}`: its model.ffn sets d_ff, multiple_of, activation or gated, which \
