@@ -363,11 +363,11 @@ impl FeedForwardConfig {
 }
 
 /// Turns an unknown activation name into its typed error before serde turns it into text.
-fn check_activation(name: Option<&str>) -> Result<(), ConfigError> {
+pub(crate) fn check_activation(name: Option<&str>) -> Result<(), ConfigError> {
     name.map_or(Ok(()), |name| name.parse::<Activation>().map(drop))
 }
 
-fn parse_error(format: &'static str, err: impl std::fmt::Display) -> ConfigError {
+pub(crate) fn parse_error(format: &'static str, err: impl std::fmt::Display) -> ConfigError {
     ConfigError::Parse {
         format,
         message: err.to_string().trim().to_string(),

@@ -61,6 +61,16 @@ pub enum ConfigError {
         /// Every accepted name, comma separated.
         known: String,
     },
+    /// A field of a [`MoeConfig`](crate::MoeConfig) that is out of range or inconsistent with
+    /// another (`top_k` above `n_experts`, `n_group` not dividing `n_experts`, a capacity factor
+    /// that is not a positive number …).
+    #[error("`{field}`: {message}")]
+    Moe {
+        /// The field's name.
+        field: &'static str,
+        /// What is wrong with it.
+        message: String,
+    },
     /// The text is not a valid TOML or JSON config (syntax, a missing `d_model`, a misspelt key …).
     #[error("invalid {format} config: {message}")]
     Parse {

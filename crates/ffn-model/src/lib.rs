@@ -44,6 +44,8 @@ pub mod hf;
 mod host;
 pub mod inspect;
 mod model;
+#[allow(deprecated)]
+mod moe;
 // burn-ndarray is deprecated upstream; it is still a backend the op supports.
 #[allow(deprecated)]
 mod op;
@@ -57,6 +59,7 @@ pub use config::{DropoutAt, FeedForwardConfig, MAX_DIM, MAX_MATRIX};
 pub use error::{ConfigError, Error, printable};
 pub use hf::HfModel;
 pub use model::FeedForward;
+pub use moe::{MAX_EXPERTS, Moe, MoeConfig, MoeOutput, Scoring};
 pub use op::Memory;
 pub use preset::Variant;
 pub use scheme::Scheme;

@@ -35,6 +35,7 @@
 use std::ops::Range;
 
 use burn::backend::autodiff::Autodiff;
+use burn::backend::autodiff::NodeId;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
@@ -77,14 +78,14 @@ pub enum Maybe<B: Backend> {
 }
 
 impl<B: Backend> Maybe<B> {
-    fn into_option(self) -> Option<FloatTensor<B>> {
+    pub(crate) fn into_option(self) -> Option<FloatTensor<B>> {
         match self {
             Maybe::Present(t) => Some(t),
             Maybe::Absent => None,
         }
     }
 
-    fn from_option(t: Option<FloatTensor<B>>) -> Self {
+    pub(crate) fn from_option(t: Option<FloatTensor<B>>) -> Self {
         t.map_or(Maybe::Absent, Maybe::Present)
     }
 }
@@ -154,15 +155,15 @@ impl Kernels for burn::backend::NdArray {}
 impl Kernels for burn::backend::Cube {}
 
 /// The inputs of the op for one backend, biases and `W_gate` optional.
-struct Weights<B: Backend> {
-    w_gate: Option<FloatTensor<B>>,
-    w_up: FloatTensor<B>,
-    w_down: FloatTensor<B>,
-    b_gate: Option<FloatTensor<B>>,
-    b_up: Option<FloatTensor<B>>,
-    b_down: Option<FloatTensor<B>>,
+pub(crate) struct Weights<B: Backend> {
+    pub w_gate: Option<FloatTensor<B>>,
+    pub w_up: FloatTensor<B>,
+    pub w_down: FloatTensor<B>,
+    pub b_gate: Option<FloatTensor<B>>,
+    pub b_up: Option<FloatTensor<B>>,
+    pub b_down: Option<FloatTensor<B>>,
     /// Hidden-layer dropout's `m / (1 − p)`, `[T, d_ff]`.
-    mask: Option<FloatTensor<B>>,
+    pub mask: Option<FloatTensor<B>>,
 }
 
 impl<B: Backend> Clone for Weights<B> {
@@ -278,7 +279,7 @@ fn chunks(pre: &Pre<impl Backend>, memory: Memory) -> Vec<Range<usize>> {
 
 /// `y = φ(pre) W_down + b_down`, one chunk of rows at a time (see [`chunks`]); also `h` when it
 /// is computed whole.
-fn project_out_chunked<B: Kernels>(
+pub(crate) fn project_out_chunked<B: Kernels>(
     pre: &Pre<B>,
     w: &Weights<B>,
     spec: Spec,
@@ -310,7 +311,7 @@ fn accumulate<B: Backend>(acc: &mut Option<FloatTensor<B>>, t: FloatTensor<B>) {
 }
 
 /// The pre-activations: `a`, `(g, u)` or `[g | u]`.
-fn project_in<B: Kernels>(x: &FloatTensor<B>, w: &Weights<B>, spec: Spec) -> Pre<B> {
+pub(crate) fn project_in<B: Kernels>(x: &FloatTensor<B>, w: &Weights<B>, spec: Spec) -> Pre<B> {
     let linear = |weight: &FloatTensor<B>, bias: &Option<FloatTensor<B>>| {
         add_bias::<B>(B::ffn_matmul(x.clone(), weight.clone()), bias.clone())
     };
@@ -322,18 +323,26 @@ fn project_in<B: Kernels>(x: &FloatTensor<B>, w: &Weights<B>, spec: Spec) -> Pre
 }
 
 /// The pre-activations and the hidden activations `h` (after dropout).
-fn forward<B: Kernels>(x: &FloatTensor<B>, w: &Weights<B>, spec: Spec) -> (Pre<B>, FloatTensor<B>) {
+pub(crate) fn forward<B: Kernels>(
+    x: &FloatTensor<B>,
+    w: &Weights<B>,
+    spec: Spec,
+) -> (Pre<B>, FloatTensor<B>) {
     let pre = project_in(x, w, spec);
     let h = masked::<B>(B::ffn_hidden(&pre, spec.activation), &w.mask, None);
     (pre, h)
 }
 
-fn project_out<B: Kernels>(h: FloatTensor<B>, w: &Weights<B>) -> FloatTensor<B> {
+pub(crate) fn project_out<B: Kernels>(h: FloatTensor<B>, w: &Weights<B>) -> FloatTensor<B> {
     add_bias::<B>(B::ffn_matmul(h, w.w_down.clone()), w.b_down.clone())
 }
 
 /// The op on a backend without autodiff: the forward pass only.
-fn inference<B: Kernels>(x: FloatTensor<B>, w: Weights<B>, spec: Spec) -> FloatTensor<B> {
+pub(crate) fn inference<B: Kernels>(
+    x: FloatTensor<B>,
+    w: Weights<B>,
+    spec: Spec,
+) -> FloatTensor<B> {
     let (_, h) = forward(&x, &w, spec);
     project_out(h, &w)
 }
@@ -376,11 +385,116 @@ inference_impl!(burn::backend::Cube);
 
 /// The parents of the op's node, in order: `x`, then the weights and biases that are present.
 #[derive(Debug, Clone, Copy)]
-struct Present {
+pub(crate) struct Present {
     w_gate: bool,
     b_gate: bool,
     b_up: bool,
     b_down: bool,
+}
+
+/// The parent nodes of an op that takes `x` and [`Weights`], by input:
+/// `[x, w_gate, w_up, w_down, b_gate, b_up, b_down]`, `None` where an input is absent or needs
+/// no gradient.
+pub(crate) type Parents = [Option<NodeId>; 7];
+
+impl Present {
+    /// The op's parents by input, from the `N` nodes in the order [`untrack`] listed them.
+    pub(crate) fn parents<T, const N: usize>(self, nodes: [Option<T>; N]) -> [Option<T>; 7] {
+        let mut nodes = nodes.into_iter();
+        let mut next = |is_present: bool| {
+            if is_present {
+                nodes.next().flatten()
+            } else {
+                None
+            }
+        };
+        [
+            next(true),
+            next(self.w_gate),
+            next(true),
+            next(true),
+            next(self.b_gate),
+            next(self.b_up),
+            next(self.b_down),
+        ]
+    }
+}
+
+impl Need {
+    /// The inputs whose parent node exists.
+    pub(crate) fn of(parents: &Parents) -> Self {
+        let [x, w_gate, w_up, w_down, b_gate, b_up, b_down] =
+            parents.each_ref().map(Option::is_some);
+        Self {
+            x,
+            w_gate,
+            w_up,
+            w_down,
+            b_gate,
+            b_up,
+            b_down,
+        }
+    }
+}
+
+impl<B: Backend> InputGrads<B> {
+    /// Registers each gradient with its parent.
+    pub(crate) fn register(self, parents: Parents, grads: &mut Gradients) {
+        let all = [
+            self.x,
+            self.w_gate,
+            self.w_up,
+            self.w_down,
+            self.b_gate,
+            self.b_up,
+            self.b_down,
+        ];
+        for (node, grad) in parents.into_iter().zip(all) {
+            if let (Some(id), Some(grad)) = (node, grad) {
+                grads.register::<B>(id, grad);
+            }
+        }
+    }
+}
+
+/// Splits the autodiff inputs of an op on `x` and [`Weights`] into their primitives (a
+/// `mask` is a constant: its primitive only) and the nodes of those present, in the order
+/// `x, w_gate, w_up, w_down, b_gate, b_up, b_down`.
+#[allow(clippy::type_complexity)]
+pub(crate) fn untrack<B: Backend, C: CheckpointStrategy>(
+    x: FloatTensor<Autodiff<B, C>>,
+    w: Weights<Autodiff<B, C>>,
+) -> (FloatTensor<B>, Weights<B>, Vec<NodeGuard>, Present) {
+    let present = Present {
+        w_gate: w.w_gate.is_some(),
+        b_gate: w.b_gate.is_some(),
+        b_up: w.b_up.is_some(),
+        b_down: w.b_down.is_some(),
+    };
+    let mut nodes = Vec::with_capacity(7);
+    let mut inner = |t: FloatTensor<Autodiff<B, C>>| {
+        let (primitive, node) = t.into_parts();
+        nodes.push(node);
+        primitive
+    };
+    let x = inner(x);
+    let w_gate = w.w_gate.map(&mut inner);
+    let w_up = inner(w.w_up);
+    let w_down = inner(w.w_down);
+    let b_gate = w.b_gate.map(&mut inner);
+    let b_up = w.b_up.map(&mut inner);
+    let b_down = w.b_down.map(&mut inner);
+    let mask = w.mask.map(|m| m.into_parts().0);
+    let w = Weights {
+        w_gate,
+        w_up,
+        w_down,
+        b_gate,
+        b_up,
+        b_down,
+        mask,
+    };
+    (x, w, nodes, present)
 }
 
 /// The backward step; `N` is the number of parents (3 to 7).
@@ -412,112 +526,131 @@ impl<B: Kernels, const N: usize> Backward<B, N> for FeedForwardBackward {
             present,
         } = ops.state;
         let dy = grads.consume::<B>(&ops.node);
-
-        // Parents in the order `feed_forward` listed them.
-        let mut parents = ops.parents.into_iter();
-        let mut next = |is_present: bool| {
-            if is_present {
-                parents.next().flatten()
-            } else {
-                None
-            }
-        };
-        let node_x = next(true);
-        let node_w_gate = next(present.w_gate);
-        let node_w_up = next(true);
-        let node_w_down = next(true);
-        let node_b_gate = next(present.b_gate);
-        let node_b_up = next(present.b_up);
-        let node_b_down = next(present.b_down);
-
-        // db_down = Σ_T dy
-        if let Some(node) = node_b_down {
-            grads.register::<B>(node.id, bias_grad::<B>(dy.clone()));
-        }
+        let parents = present.parents(ops.parents).map(|n| n.map(|n| n.id));
         #[cfg(test)]
         let spec = tests::maybe_break(spec);
+        backward_pass::<B>(&x, dy, &w, pre, h, spec, Need::of(&parents)).register(parents, grads);
+    }
+}
 
-        // The rest row chunk by row chunk (one chunk, the whole batch, unless recomputing):
-        // dW_down = hᵀ dy,  dh = dy W_downᵀ (⊙ the dropout mask, with h = φ(·) ⊙ mask, when
-        // there is one), then through φ (and the gating product) to the
-        // pre-activations, then dW = xᵀ d(pre), db = Σ_T d(pre), dx = Σ d(pre) Wᵀ over the
-        // projections; the weight gradients are summed over chunks.
-        let ranges = chunks(&pre, spec.memory);
-        let whole = ranges.len() == 1;
-        let (mut pre, mut h) = (Some(pre), h);
-        let mut dw_down = None;
-        let [mut dw, mut db] = [[None, None], [None, None]];
-        let mut dx_parts = Vec::with_capacity(ranges.len());
-        for r in &ranges {
-            // The whole batch is moved, not viewed, so that it is freed as soon as it is used.
-            let pre_r = if whole {
-                pre.take().expect("one chunk")
+/// Which inputs of the op need a gradient.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Need {
+    pub x: bool,
+    pub w_gate: bool,
+    pub w_up: bool,
+    pub w_down: bool,
+    pub b_gate: bool,
+    pub b_up: bool,
+    pub b_down: bool,
+}
+
+/// The gradients of the op's inputs (those asked for).
+#[derive(Debug)]
+pub(crate) struct InputGrads<B: Backend> {
+    pub x: Option<FloatTensor<B>>,
+    pub w_gate: Option<FloatTensor<B>>,
+    pub w_up: Option<FloatTensor<B>>,
+    pub w_down: Option<FloatTensor<B>>,
+    pub b_gate: Option<FloatTensor<B>>,
+    pub b_up: Option<FloatTensor<B>>,
+    pub b_down: Option<FloatTensor<B>>,
+}
+
+/// The backward pass of `y = FFN(x)` given `dy = ∂L/∂y`, from what the forward pass kept
+/// (`pre`, and `h` unless it is recomputed).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn backward_pass<B: Kernels>(
+    x: &FloatTensor<B>,
+    dy: FloatTensor<B>,
+    w: &Weights<B>,
+    pre: Pre<B>,
+    h: Option<FloatTensor<B>>,
+    spec: Spec,
+    need: Need,
+) -> InputGrads<B> {
+    // db_down = Σ_T dy
+    let db_down = need.b_down.then(|| bias_grad::<B>(dy.clone()));
+
+    // The rest row chunk by row chunk (one chunk, the whole batch, unless recomputing):
+    // dW_down = hᵀ dy,  dh = dy W_downᵀ (⊙ the dropout mask, with h = φ(·) ⊙ mask, when
+    // there is one), then through φ (and the gating product) to the
+    // pre-activations, then dW = xᵀ d(pre), db = Σ_T d(pre), dx = Σ d(pre) Wᵀ over the
+    // projections; the weight gradients are summed over chunks.
+    let ranges = chunks(&pre, spec.memory);
+    let whole = ranges.len() == 1;
+    let (mut pre, mut h) = (Some(pre), h);
+    let mut dw_down = None;
+    let [mut dw, mut db] = [[None, None], [None, None]];
+    let mut dx_parts = Vec::with_capacity(ranges.len());
+    for r in &ranges {
+        // The whole batch is moved, not viewed, so that it is freed as soon as it is used.
+        let pre_r = if whole {
+            pre.take().expect("one chunk")
+        } else {
+            pre.as_ref().expect("pre-activations").rows(r)
+        };
+        let (x_r, dy_r) = if whole {
+            (x.clone(), dy.clone())
+        } else {
+            (rows_of::<B>(x, r), rows_of::<B>(&dy, r))
+        };
+        if need.w_down {
+            let h_r = match h.take() {
+                Some(h) => h,
+                None => masked::<B>(
+                    B::ffn_hidden(&pre_r, spec.activation),
+                    &w.mask,
+                    (!whole).then_some(r),
+                ),
+            };
+            accumulate::<B>(&mut dw_down, B::ffn_matmul(t::<B>(h_r), dy_r.clone()));
+        }
+        let dh = B::ffn_matmul(dy_r, t::<B>(w.w_down.clone()));
+        let dh = masked::<B>(dh, &w.mask, (!whole).then_some(r));
+        let dpre = B::ffn_hidden_backward(dh, &pre_r, spec.activation);
+        drop(pre_r);
+        let projections = match dpre {
+            Pre::Plain(da) | Pre::Fused(da) => vec![(da, 1)],
+            Pre::Gated(dg, du) => vec![(dg, 0), (du, 1)],
+        };
+        let mut dx_r: Option<FloatTensor<B>> = None;
+        for (d, p) in projections {
+            let (weight, need_w, need_b) = if p == 0 {
+                let w_gate = w.w_gate.as_ref().expect("a gated, unfused op has W_gate");
+                (w_gate, need.w_gate, need.b_gate)
             } else {
-                pre.as_ref().expect("pre-activations").rows(r)
+                (&w.w_up, need.w_up, need.b_up)
             };
-            let (x_r, dy_r) = if whole {
-                (x.clone(), dy.clone())
-            } else {
-                (rows_of::<B>(&x, r), rows_of::<B>(&dy, r))
-            };
-            if node_w_down.is_some() {
-                let h_r = match h.take() {
-                    Some(h) => h,
-                    None => masked::<B>(
-                        B::ffn_hidden(&pre_r, spec.activation),
-                        &w.mask,
-                        (!whole).then_some(r),
-                    ),
-                };
-                accumulate::<B>(&mut dw_down, B::ffn_matmul(t::<B>(h_r), dy_r.clone()));
+            if need_w {
+                accumulate::<B>(&mut dw[p], B::ffn_matmul(t::<B>(x_r.clone()), d.clone()));
             }
-            let dh = B::ffn_matmul(dy_r, t::<B>(w.w_down.clone()));
-            let dh = masked::<B>(dh, &w.mask, (!whole).then_some(r));
-            let dpre = B::ffn_hidden_backward(dh, &pre_r, spec.activation);
-            drop(pre_r);
-            let projections = match dpre {
-                Pre::Plain(da) | Pre::Fused(da) => vec![(da, 1)],
-                Pre::Gated(dg, du) => vec![(dg, 0), (du, 1)],
-            };
-            let mut dx_r: Option<FloatTensor<B>> = None;
-            for (d, p) in projections {
-                let (weight, node_w, node_b) = if p == 0 {
-                    let w_gate = w.w_gate.as_ref().expect("a gated, unfused op has W_gate");
-                    (w_gate, &node_w_gate, &node_b_gate)
-                } else {
-                    (&w.w_up, &node_w_up, &node_b_up)
-                };
-                if node_w.is_some() {
-                    accumulate::<B>(&mut dw[p], B::ffn_matmul(t::<B>(x_r.clone()), d.clone()));
-                }
-                if node_b.is_some() {
-                    accumulate::<B>(&mut db[p], bias_grad::<B>(d.clone()));
-                }
-                if node_x.is_some() {
-                    accumulate::<B>(&mut dx_r, B::ffn_matmul(d, t::<B>(weight.clone())));
-                }
+            if need_b {
+                accumulate::<B>(&mut db[p], bias_grad::<B>(d.clone()));
             }
-            dx_parts.extend(dx_r);
-        }
-        if let (Some(node), Some(g)) = (node_w_down, dw_down) {
-            grads.register::<B>(node.id, g);
-        }
-        let nodes = [[node_w_gate, node_w_up], [node_b_gate, node_b_up]];
-        for (nodes, sums) in nodes.into_iter().zip([dw, db]) {
-            for (node, sum) in nodes.into_iter().zip(sums) {
-                if let (Some(node), Some(sum)) = (node, sum) {
-                    grads.register::<B>(node.id, sum);
-                }
+            if need.x {
+                accumulate::<B>(&mut dx_r, B::ffn_matmul(d, t::<B>(weight.clone())));
             }
         }
-        if let Some(node) = node_x {
-            let dx = if dx_parts.len() == 1 {
-                dx_parts.pop().expect("one part")
-            } else {
-                B::float_cat(dx_parts, 0)
-            };
-            grads.register::<B>(node.id, dx);
+        dx_parts.extend(dx_r);
+    }
+    let dx = need.x.then(|| {
+        if dx_parts.len() == 1 {
+            dx_parts.pop().expect("one part")
+        } else {
+            B::float_cat(dx_parts, 0)
         }
+    });
+    let [dw_gate, dw_up] = dw;
+    let [db_gate, db_up] = db;
+    InputGrads {
+        x: dx,
+        w_gate: dw_gate,
+        w_up: dw_up,
+        w_down: dw_down,
+        b_gate: db_gate,
+        b_up: db_up,
+        b_down: db_down,
     }
 }
 
@@ -565,42 +698,16 @@ impl<B: Kernels, C: CheckpointStrategy> FfnOps for Autodiff<B, C> {
         mask: Maybe<Self>,
         spec: Spec,
     ) -> FloatTensor<Self> {
-        // A constant of the op: its primitive, without a node.
-        let mask = mask.into_option().map(|m| m.into_parts().0);
-        let (w_gate, b_gate, b_up, b_down) = (
-            w_gate.into_option(),
-            b_gate.into_option(),
-            b_up.into_option(),
-            b_down.into_option(),
-        );
-        let present = Present {
-            w_gate: w_gate.is_some(),
-            b_gate: b_gate.is_some(),
-            b_up: b_up.is_some(),
-            b_down: b_down.is_some(),
-        };
-        let mut nodes = Vec::with_capacity(7);
-        let mut inner = |t: FloatTensor<Self>| {
-            let (primitive, node) = t.into_parts();
-            nodes.push(node);
-            primitive
-        };
-        let x = inner(x);
-        let w_gate = w_gate.map(&mut inner);
-        let w_up = inner(w_up);
-        let w_down = inner(w_down);
-        let b_gate = b_gate.map(&mut inner);
-        let b_up = b_up.map(&mut inner);
-        let b_down = b_down.map(&mut inner);
         let w = Weights {
-            w_gate,
+            w_gate: w_gate.into_option(),
             w_up,
             w_down,
-            b_gate,
-            b_up,
-            b_down,
-            mask,
+            b_gate: b_gate.into_option(),
+            b_up: b_up.into_option(),
+            b_down: b_down.into_option(),
+            mask: mask.into_option(),
         };
+        let (x, w, nodes, present) = untrack::<B, C>(x, w);
         match nodes.len() {
             3 => tracked::<B, C, 3>(nodes, x, w, spec, present),
             4 => tracked::<B, C, 4>(nodes, x, w, spec, present),

@@ -273,6 +273,7 @@ impl Progress {
     }
 
     /// Shows the state after `step` steps; `line` is set at evaluations.
+    #[cfg_attr(not(feature = "cli"), allow(unused_variables))]
     pub fn update(&self, step: usize, message: &str, evaluation: bool) {
         match self {
             #[cfg(feature = "cli")]

@@ -1,0 +1,635 @@
+//! The mixture-of-experts layer against independent references, in f64:
+//!
+//! - a dense reference written here: every expert on every token, `y = Σ_e w_te FFN_e(x_t)`
+//!   with the routing weights `w_te` computed from the router's scores by this file's own
+//!   top-k (zero for experts a token did not choose), differentiated by autodiff;
+//! - finite differences of `L = Σ y ⊙ g` along random directions, for the input, the router
+//!   and every expert tensor;
+//! - hand-computed auxiliary losses and capacity drops on small cases;
+//! - a one-expert, top-1 layer is its expert exactly.
+
+mod common;
+
+use burn::module::{Module, ModuleMapper, Param};
+use burn::tensor::activation::{sigmoid, softmax};
+use burn::tensor::{DType, Device, Tensor, TensorData};
+use common::{Cast, Rng, device, property};
+use ffn_model::{Activation, ConfigError, FeedForwardConfig, Memory, Moe, MoeConfig, Scoring};
+
+const D: usize = 6;
+
+fn tensor<const R: usize>(data: TensorData, device: &Device) -> Tensor<R> {
+    Tensor::from_data(data, (device, DType::F64))
+}
+
+fn values<const R: usize>(t: Tensor<R>) -> Vec<f64> {
+    t.into_data().iter::<f64>().collect()
+}
+
+/// The largest `|a − b|` over `max(1, max |b|)`.
+fn error(a: &[f64], b: &[f64]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    let scale = b.iter().fold(1.0f64, |m, v| m.max(v.abs()));
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f64::max)
+        / scale
+}
+
+/// The experts each token uses, by this file's own rule: the `k` largest of `p + bias` within
+/// the `topk_group` best groups (a group scores the sum of its two best), ties to the lower
+/// index.
+fn choose(p: &[f64], bias: &[f64], config: &MoeConfig) -> Vec<usize> {
+    let s: Vec<f64> = p.iter().zip(bias).map(|(p, b)| p + b).collect();
+    let rank = |mut idx: Vec<usize>, score: &dyn Fn(usize) -> f64| {
+        idx.sort_by(|&a, &b| score(b).partial_cmp(&score(a)).unwrap().then(a.cmp(&b)));
+        idx
+    };
+    let size = config.n_experts / config.n_group;
+    let group_score = |g: usize| {
+        let members = rank((g * size..(g + 1) * size).collect(), &|i| s[i]);
+        members.iter().take(2).map(|&i| s[i]).sum::<f64>()
+    };
+    let allowed: Vec<usize> = rank((0..config.n_group).collect(), &group_score)
+        .into_iter()
+        .take(config.topk_group)
+        .flat_map(|g| g * size..(g + 1) * size)
+        .collect();
+    rank(allowed, &|i| s[i])
+        .into_iter()
+        .take(config.top_k)
+        .collect()
+}
+
+/// `FFN_e(x)` for every token, composed from burn's ops on expert `e`'s slices of the
+/// stacked weights.
+fn expert_output(moe: &Moe, e: usize, x: Tensor<2>) -> Tensor<2> {
+    let mat = |p: &Param<Tensor<3>>| p.val().narrow(0, e, 1).squeeze_dim::<2>(0);
+    let row = |p: Option<&Param<Tensor<2>>>| p.map(|p| p.val().narrow(0, e, 1));
+    let linear = |x: Tensor<2>, w: Tensor<2>, b: Option<Tensor<2>>| match b {
+        Some(b) => x.matmul(w) + b,
+        None => x.matmul(w),
+    };
+    let phi = |t| moe.activation().forward(t);
+    let up = linear(x.clone(), mat(moe.w_up()), row(moe.b_up()));
+    let h = match moe.w_gate() {
+        Some(w_gate) => phi(linear(x, mat(w_gate), row(moe.b_gate()))) * up,
+        None => phi(up),
+    };
+    linear(h, mat(moe.w_down()), row(moe.b_down()))
+}
+
+/// The dense reference: `y = Σ_e w_te FFN_e(x_t) (+ shared)`, every expert on every token,
+/// `w_te = 0` for experts not chosen. No capacity.
+fn dense(moe: &Moe, x: Tensor<2>) -> Tensor<2> {
+    let config = moe.config();
+    let device = x.device();
+    let [tokens, _] = x.dims();
+    let e_count = config.n_experts;
+    let logits = moe.router().forward(x.clone());
+    let p = match config.scoring {
+        Scoring::Softmax => softmax(logits, 1),
+        Scoring::Sigmoid => sigmoid(logits),
+    };
+    let bias = moe
+        .selection_bias()
+        .map(values)
+        .unwrap_or_else(|| vec![0.0; e_count]);
+    let host = values(p.clone());
+    let mut mask = vec![0.0; tokens * e_count];
+    for t in 0..tokens {
+        for e in choose(&host[t * e_count..(t + 1) * e_count], &bias, &config) {
+            mask[t * e_count + e] = 1.0;
+        }
+    }
+    let mask = tensor::<2>(TensorData::new(mask, [tokens, e_count]), &device);
+    let mut w = p * mask;
+    if config.normalize_top_k {
+        w = w.clone() / w.sum_dim(1);
+    }
+    w = w * config.routed_scaling;
+    let mut y = Tensor::<2>::zeros([tokens, config.d_model()], (&device, DType::F64));
+    for e in 0..e_count {
+        y = y + expert_output(moe, e, x.clone()) * w.clone().narrow(1, e, 1);
+    }
+    if let Some(shared) = moe.shared() {
+        let s = shared.forward_composed(x.clone());
+        y = y + match moe.shared_gate() {
+            Some(gate) => s * sigmoid(gate.forward(x)),
+            None => s,
+        };
+    }
+    y
+}
+
+/// Every parameter's gradient, by record path, flattened.
+struct Grads<'a> {
+    grads: &'a burn::tensor::Gradients,
+    path: Vec<String>,
+    out: Vec<(String, Vec<f64>)>,
+}
+
+impl burn::module::ModuleVisitor for Grads<'_> {
+    fn enter_module(&mut self, name: &str, _: &str) {
+        self.path.push(name.to_string());
+    }
+
+    fn exit_module(&mut self, _: &str, _: &str) {
+        self.path.pop();
+    }
+
+    fn visit_float<const R: usize>(&mut self, param: &Param<Tensor<R>>) {
+        if let Some(g) = param.val().grad(self.grads) {
+            self.out
+                .push((self.path.join("."), g.into_data().iter::<f64>().collect()));
+        }
+    }
+}
+
+fn param_grads(moe: &Moe, grads: &burn::tensor::Gradients) -> Vec<(String, Vec<f64>)> {
+    let mut visitor = Grads {
+        grads,
+        path: Vec::new(),
+        out: Vec::new(),
+    };
+    moe.visit(&mut visitor);
+    visitor.out
+}
+
+/// The configs the references are compared on: both scorings, gated and not, biases, groups,
+/// selection bias, scaling, shared experts gated and not, both memory modes.
+fn configs() -> Vec<(&'static str, MoeConfig)> {
+    let swiglu = FeedForwardConfig::new(D, 5)
+        .with_activation(Activation::Silu)
+        .with_gated(true);
+    let gelu = FeedForwardConfig::new(D, 7)
+        .with_bias_up(true)
+        .with_bias_down(true);
+    vec![
+        ("mixtral", MoeConfig::new(swiglu.clone(), 4, 2)),
+        (
+            "qwen2",
+            MoeConfig::new(swiglu.clone().with_bias_gate(true).with_bias_up(true), 6, 3)
+                .with_normalize_top_k(false)
+                .with_shared_experts(1, Some(9), true),
+        ),
+        (
+            "deepseek",
+            MoeConfig::new(swiglu.clone().with_memory(Memory::Recompute), 8, 2)
+                .with_scoring(Scoring::Sigmoid)
+                .with_groups(4, 2)
+                .with_selection_bias(true, 0.01)
+                .with_routed_scaling(2.5)
+                .with_router_bias(true)
+                .with_shared_experts(2, None, false),
+        ),
+        ("gelu-top1", MoeConfig::new(gelu, 3, 1)),
+    ]
+}
+
+/// A layer in f64 on the autodiff Flex device, with a selection bias that is not zero.
+fn layer(config: &MoeConfig, seed: u64) -> Moe {
+    let device = device();
+    device.seed(seed);
+    let mut moe = config.init(&device).map(&mut Cast(DType::F64));
+    if config.selection_bias {
+        // Three updates from an uneven load give a bias with three distinct values.
+        let load: Vec<usize> = (0..config.n_experts).map(|e| e % 3).collect();
+        for _ in 0..3 {
+            moe = moe.update_selection_bias(&load);
+        }
+    }
+    moe
+}
+
+/// Output, input gradient and every parameter's gradient of `L = Σ y ⊙ g`.
+fn run(
+    moe: &Moe,
+    x: &TensorData,
+    g: &TensorData,
+    reference: bool,
+    composed: bool,
+) -> Vec<(String, Vec<f64>)> {
+    let device = device();
+    let x = tensor::<2>(x.clone(), &device).require_grad();
+    let y = if reference {
+        dense(moe, x.clone())
+    } else if composed {
+        moe.forward_composed(x.clone()).output
+    } else {
+        moe.forward(x.clone()).output
+    };
+    let grads = (y.clone() * tensor::<2>(g.clone(), &device))
+        .sum()
+        .backward();
+    let mut all = vec![
+        ("y".to_string(), values(y)),
+        ("x".to_string(), values(x.grad(&grads).unwrap())),
+    ];
+    all.extend(param_grads(moe, &grads));
+    all
+}
+
+/// The op (its own backward) and the composed path both equal the dense reference: output,
+/// input gradient, and the gradient of every parameter, to f64 rounding.
+#[test]
+fn the_layer_equals_a_dense_reference() {
+    for (name, config) in configs() {
+        let moe = layer(&config, 7);
+        let mut rng = Rng(11);
+        let (x, g) = (rng.data(&[13, D]), rng.data(&[13, D]));
+        let reference = run(&moe, &x, &g, true, false);
+        for composed in [false, true] {
+            let got = run(&moe, &x, &g, false, composed);
+            let names =
+                |v: &[(String, Vec<f64>)]| v.iter().map(|(n, _)| n.clone()).collect::<Vec<_>>();
+            assert_eq!(names(&got), names(&reference), "{name}: the same gradients");
+            for ((tensor, a), (_, b)) in got.iter().zip(&reference) {
+                let e = error(a, b);
+                assert!(e < 1e-12, "{name} composed={composed} {tensor}: {e:e}");
+            }
+        }
+        // Every expert took part (13 tokens), and every stacked tensor has its gradient.
+        let got = run(&moe, &x, &g, false, false);
+        for stacked in ["w_up", "w_down"] {
+            assert!(got.iter().any(|(n, _)| n == stacked), "{name}: {stacked}");
+        }
+    }
+}
+
+/// Adds `delta` to the parameter at `target` (a record path).
+struct Perturb {
+    path: Vec<String>,
+    target: String,
+    delta: TensorData,
+}
+
+impl ModuleMapper for Perturb {
+    fn enter_module(&mut self, name: &str, _: &str) {
+        self.path.push(name.to_string());
+    }
+
+    fn exit_module(&mut self, _: &str, _: &str) {
+        self.path.pop();
+    }
+
+    fn map_float<const R: usize>(&mut self, param: Param<Tensor<R>>) -> Param<Tensor<R>> {
+        if self.path.join(".") != self.target {
+            return param;
+        }
+        let delta = self.delta.clone();
+        param.map(|t| {
+            let delta = TensorData::new(delta.iter::<f64>().collect::<Vec<_>>(), t.dims().to_vec());
+            let delta = Tensor::from_data(delta, (&t.device(), DType::F64));
+            t + delta
+        })
+    }
+}
+
+/// Finite differences along random directions, for `x`, the router and every expert tensor
+/// (routing is piecewise constant: ε = 1e-6 does not move a token across a choice here).
+#[test]
+fn gradients_match_finite_differences() {
+    const EPS: f64 = 1e-6;
+    let device = device();
+    for (name, config) in configs() {
+        let moe = layer(&config, 3);
+        let mut rng = Rng(5);
+        let (x, g) = (rng.data(&[9, D]), rng.data(&[9, D]));
+        let loss = |moe: &Moe, x: TensorData| -> f64 {
+            let y = moe.forward(tensor::<2>(x, &device)).output;
+            values((y * tensor::<2>(g.clone(), &device)).sum())[0]
+        };
+        let analytic = run(&moe, &x, &g, false, false);
+        let mut checked = Vec::new();
+        for (tensor_name, grad) in analytic.iter().skip(1) {
+            let direction: Vec<f64> = (0..grad.len()).map(|_| rng.normal()).collect();
+            let along: f64 = grad.iter().zip(&direction).map(|(a, b)| a * b).sum();
+            let at = |sign: f64| {
+                let delta: Vec<f64> = direction.iter().map(|v| v * sign * EPS).collect();
+                if tensor_name == "x" {
+                    let shifted: Vec<f64> =
+                        x.iter::<f64>().zip(&delta).map(|(a, b)| a + b).collect();
+                    loss(&moe, TensorData::new(shifted, [9, D]))
+                } else {
+                    let n = delta.len();
+                    let mut perturb = Perturb {
+                        path: Vec::new(),
+                        target: tensor_name.clone(),
+                        delta: TensorData::new(delta, [n]),
+                    };
+                    loss(&moe.clone().map(&mut perturb), x.clone())
+                }
+            };
+            let numeric = (at(1.0) - at(-1.0)) / (2.0 * EPS);
+            let e = (along - numeric).abs() / along.abs().max(numeric.abs()).max(1.0);
+            assert!(
+                e < 1e-6,
+                "{name} {tensor_name}: autodiff {along} vs finite difference {numeric} ({e:e})"
+            );
+            checked.push(tensor_name.clone());
+        }
+        for required in ["x", "router.weight", "w_up", "w_down"] {
+            assert!(checked.iter().any(|n| n == required), "{name}: {required}");
+        }
+    }
+}
+
+/// With one expert and top-1, the layer is that expert: the same output as the expert taken
+/// out as a `FeedForward`, and the router gets no gradient from the output (its weight is 1).
+#[test]
+fn one_expert_top_one_is_its_feed_forward() {
+    let device = device();
+    for expert in [
+        FeedForwardConfig::new(D, 11).with_activation(Activation::Relu),
+        FeedForwardConfig::new(D, 8)
+            .with_activation(Activation::Silu)
+            .with_gated(true)
+            .with_bias_up(true)
+            .with_bias_gate(true)
+            .with_bias_down(true),
+    ] {
+        device.seed(1);
+        let moe = MoeConfig::new(expert, 1, 1).init(&device);
+        let ffn = moe.expert(0);
+        let x = Tensor::<3>::random([2, 5, D], burn::tensor::Distribution::Default, &device);
+        let a = moe.forward(x.clone()).output.into_data();
+        let b = ffn.forward(x).into_data();
+        a.assert_eq(&b, true);
+    }
+}
+
+/// `L_b = E Σ_e f_e P_e` and `L_z = mean_t (logsumexp z_t)²` on four tokens whose logits are
+/// set by hand (the router is the identity on the first two inputs).
+#[test]
+fn auxiliary_losses_by_hand() {
+    let device = device();
+    let config = MoeConfig::new(FeedForwardConfig::new(2, 3), 2, 1);
+    let moe = config.init(&device).map(&mut Cast(DType::F64));
+    let identity = tensor::<2>(TensorData::new(vec![1.0, 0.0, 0.0, 1.0], [2, 2]), &device);
+    let delta = TensorData::new(values(identity - moe.router().weight.val()), [4]);
+    let moe = moe.map(&mut Perturb {
+        path: Vec::new(),
+        target: "router.weight".into(),
+        delta,
+    });
+    let z = [[1.0, 0.0], [0.0, 2.0], [3.0, 0.0], [0.5, 0.5]];
+    let x = tensor::<2>(
+        TensorData::new(z.iter().flatten().copied().collect::<Vec<f64>>(), [4, 2]),
+        &device,
+    );
+    let out = moe.forward(x);
+    assert_eq!(
+        values(out.router_logits.clone()),
+        z.iter().flatten().copied().collect::<Vec<_>>()
+    );
+    // Choices: 0, 1, 0, 0 (the tie at token 3 goes to expert 0): f = (3/4, 1/4).
+    assert_eq!(out.tokens_per_expert, vec![3, 1]);
+    let p0 = |a: f64, b: f64| 1.0 / (1.0 + (b - a).exp());
+    let p_mean0 = (p0(1.0, 0.0) + p0(0.0, 2.0) + p0(3.0, 0.0) + 0.5) / 4.0;
+    let expected_b = 2.0 * (0.75 * p_mean0 + 0.25 * (1.0 - p_mean0));
+    let lse = |a: f64, b: f64| (a.exp() + b.exp()).ln();
+    let expected_z = z.iter().map(|r| lse(r[0], r[1]).powi(2)).sum::<f64>() / 4.0;
+    let b = values(out.load_balancing_loss)[0];
+    let zl = values(out.z_loss)[0];
+    assert!((b - expected_b).abs() < 1e-14, "{b} vs {expected_b}");
+    assert!((zl - expected_z).abs() < 1e-14, "{zl} vs {expected_z}");
+    let aux = values(out.aux_loss)[0];
+    assert!(
+        (aux - 0.01 * expected_b).abs() < 1e-15,
+        "default weights: 0.01 and 0"
+    );
+    assert_eq!(out.dropped_fraction, 0.0);
+}
+
+/// Capacity ⌈c T k / E⌉ admits first choices before second choices, tokens in order; a
+/// dropped pair adds nothing to its token, the other weights unchanged.
+#[test]
+fn capacity_drops_exactly_the_pairs_the_rule_says() {
+    let device = device();
+    device.seed(9);
+    // 8 tokens, 4 experts, top-2, c = 0.5: capacity ⌈0.5 · 8 · 2 / 4⌉ = 2.
+    let config = MoeConfig::new(FeedForwardConfig::new(D, 4), 4, 2).with_capacity_factor(Some(0.5));
+    assert_eq!(config.capacity(8), Some(2));
+    let moe = config.init(&device).map(&mut Cast(DType::F64));
+    let mut rng = Rng(21);
+    let x = tensor::<2>(rng.data(&[8, D]), &device);
+    let out = moe.forward(x.clone());
+
+    // The rule, here: choices from the scores, then admission slot by slot, token by token.
+    let p = values(softmax(moe.router().forward(x.clone()), 1));
+    let choices: Vec<Vec<usize>> = (0..8)
+        .map(|t| choose(&p[t * 4..t * 4 + 4], &[0.0; 4], &config))
+        .collect();
+    let mut load = [0usize; 4];
+    let mut admitted = vec![[false; 2]; 8];
+    for j in 0..2 {
+        for t in 0..8 {
+            let e = choices[t][j];
+            if load[e] < 2 {
+                load[e] += 1;
+                admitted[t][j] = true;
+            }
+        }
+    }
+    let dropped = admitted.iter().flatten().filter(|a| !**a).count();
+    assert!(dropped > 0, "the case drops something");
+    assert_eq!(out.tokens_per_expert, load.to_vec());
+    assert_eq!(out.dropped_fraction, dropped as f64 / 16.0);
+
+    // Each token's output: its admitted experts, weighted by the renormalised top-2 scores.
+    let experts: Vec<Vec<f64>> = (0..4)
+        .map(|e| values(expert_output(&moe, e, x.clone())))
+        .collect();
+    let y = values(out.output);
+    for t in 0..8 {
+        let (a, b) = (p[t * 4 + choices[t][0]], p[t * 4 + choices[t][1]]);
+        for i in 0..D {
+            let mut expected = 0.0;
+            for (j, w) in [a / (a + b), b / (a + b)].into_iter().enumerate() {
+                if admitted[t][j] {
+                    expected += w * experts[choices[t][j]][t * D + i];
+                }
+            }
+            assert!((y[t * D + i] - expected).abs() < 1e-12, "token {t}");
+        }
+    }
+}
+
+/// The aux-loss-free update moves each expert's selection bias by the rate, against its load,
+/// and changes which experts are chosen but not the weights of those chosen.
+#[test]
+fn the_selection_bias_balances_without_weighting() {
+    let device = device();
+    let config = MoeConfig::new(FeedForwardConfig::new(D, 4), 4, 1)
+        .with_scoring(Scoring::Sigmoid)
+        .with_selection_bias(true, 0.25);
+    let moe = config.init(&device).map(&mut Cast(DType::F64));
+    assert_eq!(values(moe.selection_bias().unwrap()), vec![0.0; 4]);
+    let moe = moe.update_selection_bias(&[5, 1, 3, 3]); // mean 3
+    assert_eq!(
+        values(moe.selection_bias().unwrap()),
+        vec![-0.25, 0.25, 0.0, 0.0]
+    );
+
+    // A bias of 10 on expert 2 sends every token there, with weight p_2 / p_2 = 1 (normalised).
+    let moe = moe.update_selection_bias(&[1, 1, 0, 1]);
+    let moe = (0..39).fold(moe, |m, _| m.update_selection_bias(&[1, 1, 0, 1]));
+    assert_eq!(values(moe.selection_bias().unwrap())[2], 10.0);
+    let mut rng = Rng(2);
+    let x = tensor::<2>(rng.data(&[5, D]), &device);
+    let out = moe.forward(x.clone());
+    assert_eq!(out.tokens_per_expert, vec![0, 0, 5, 0]);
+    let expected = values(expert_output(&moe, 2, x));
+    assert!(error(&values(out.output), &expected) < 1e-14);
+}
+
+/// Any rank in, the same rank out; an empty batch gives an empty output and zero losses.
+#[test]
+fn any_rank_and_empty_batches() {
+    let device = device();
+    let moe = MoeConfig::new(FeedForwardConfig::new(D, 4), 4, 2).init(&device);
+    let x = Tensor::<4>::ones([2, 3, 1, D], &device);
+    let out = moe.forward(x);
+    assert_eq!(out.output.dims(), [2, 3, 1, D]);
+    assert_eq!(out.router_logits.dims(), [6, 4]);
+    let out = moe.forward(Tensor::<3>::zeros([0, 5, D], &device));
+    assert_eq!(out.output.dims(), [0, 5, D]);
+    assert_eq!(out.tokens_per_expert, vec![0; 4]);
+    assert_eq!(values(out.load_balancing_loss.cast(DType::F64)), vec![0.0]);
+}
+
+/// Every invalid value is a typed error naming its field; nothing panics.
+#[test]
+fn invalid_configs_are_typed_errors() {
+    let base = || MoeConfig::new(FeedForwardConfig::new(8, 16), 8, 2);
+    let moe_field = |c: MoeConfig| match c.validate() {
+        Err(ConfigError::Moe { field, .. }) => field,
+        other => panic!("{other:?}"),
+    };
+    let zero = |c: MoeConfig| match c.validate() {
+        Err(ConfigError::ZeroSize { field }) => field,
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(zero(MoeConfig { top_k: 0, ..base() }), "top_k");
+    assert_eq!(
+        zero(MoeConfig {
+            n_experts: 0,
+            ..base()
+        }),
+        "n_experts"
+    );
+    assert_eq!(moe_field(MoeConfig { top_k: 9, ..base() }), "top_k");
+    assert_eq!(moe_field(base().with_groups(3, 1)), "n_group");
+    assert_eq!(moe_field(base().with_groups(4, 5)), "topk_group");
+    assert_eq!(
+        moe_field(MoeConfig { top_k: 3, ..base() }.with_groups(4, 1)),
+        "top_k"
+    );
+    for c in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+        assert_eq!(
+            moe_field(base().with_capacity_factor(Some(c))),
+            "capacity_factor"
+        );
+    }
+    assert_eq!(moe_field(base().with_routed_scaling(0.0)), "routed_scaling");
+    assert_eq!(moe_field(base().with_jitter(1.0)), "jitter");
+    assert_eq!(
+        moe_field(base().with_loss_coefs(f64::NAN, 0.0)),
+        "load_balancing_coef"
+    );
+    assert_eq!(
+        moe_field(base().with_shared_experts(0, Some(4), false)),
+        "n_shared_experts"
+    );
+    let mut dropout = base();
+    dropout.expert.dropout = 0.1;
+    assert_eq!(moe_field(dropout), "expert.dropout");
+    assert!(matches!(
+        MoeConfig {
+            n_experts: 1 << 20,
+            top_k: 1,
+            ..base()
+        }
+        .validate(),
+        Err(ConfigError::TooLarge {
+            field: "n_experts",
+            ..
+        })
+    ));
+    assert!(base().try_init(&Device::flex()).is_ok());
+    assert!(
+        MoeConfig { top_k: 9, ..base() }
+            .try_init(&Device::flex())
+            .is_err()
+    );
+
+    // Text: an unknown key, a bad activation, a bad value: one error each.
+    let toml = "n_experts = 4\ntop_k = 2\n[expert]\nd_model = 8\nd_ff = 16\n";
+    let parsed = MoeConfig::from_toml(toml).unwrap();
+    assert_eq!(parsed, MoeConfig::new(FeedForwardConfig::new(8, 16), 4, 2));
+    assert_eq!(MoeConfig::from_json(&parsed.to_json()).unwrap(), parsed);
+    assert_eq!(MoeConfig::from_toml(&parsed.to_toml()).unwrap(), parsed);
+    assert!(matches!(
+        MoeConfig::from_toml(&format!("{toml}topk = 2\n")),
+        Err(ConfigError::Parse { .. })
+    ));
+    assert!(matches!(
+        MoeConfig::from_toml(&toml.replace("d_ff = 16", "d_ff = 16\nactivation = \"swoosh\"")),
+        Err(ConfigError::UnknownActivation { .. })
+    ));
+    assert!(matches!(
+        MoeConfig::from_toml(&toml.replace("top_k = 2", "top_k = 5")),
+        Err(ConfigError::Moe { field: "top_k", .. })
+    ));
+}
+
+/// Random configs: `validate` never panics, and every config it accepts builds and runs
+/// (small sizes), with dropless routing giving every token `top_k` experts.
+#[test]
+fn random_configs_validate_or_run() {
+    let device = Device::flex();
+    property("moe configs", 0x30e, 200, |rng| {
+        let pick = |rng: &mut Rng, options: &[usize]| options[rng.below(options.len())];
+        let expert = FeedForwardConfig::new(pick(rng, &[0, 1, 4, 8]), pick(rng, &[0, 1, 3, 8]))
+            .with_gated(rng.below(2) == 0);
+        let mut config = MoeConfig::new(
+            expert,
+            pick(rng, &[0, 1, 2, 4, 6, 8]),
+            pick(rng, &[0, 1, 2, 3, 9]),
+        )
+        .with_scoring(if rng.below(2) == 0 {
+            Scoring::Softmax
+        } else {
+            Scoring::Sigmoid
+        })
+        .with_groups(pick(rng, &[0, 1, 2, 3, 4]), pick(rng, &[0, 1, 2, 5]))
+        .with_selection_bias(rng.below(2) == 0, 0.01)
+        .with_shared_experts(pick(rng, &[0, 0, 1, 2]), None, rng.below(3) == 0);
+        let factors = [
+            None,
+            Some(0.0),
+            Some(-1.0),
+            Some(f64::NAN),
+            Some(0.5),
+            Some(1.0),
+            Some(2.0),
+        ];
+        config.capacity_factor = factors[rng.below(factors.len())];
+        config.jitter = [0.0, 0.01, 1.5, f64::NAN][rng.below(4)];
+        if config.validate().is_err() {
+            assert!(config.try_init(&device).is_err());
+            return;
+        }
+        let moe = config.try_init(&device).unwrap();
+        let tokens = rng.below(12);
+        let out = moe.forward(Tensor::<2>::ones([tokens, config.d_model()], &device));
+        assert_eq!(out.output.dims(), [tokens, config.d_model()]);
+        let pairs: usize = out.tokens_per_expert.iter().sum();
+        match config.capacity(tokens) {
+            None => assert_eq!(pairs, tokens * config.top_k),
+            Some(cap) => assert!(out.tokens_per_expert.iter().all(|&n| n <= cap)),
+        }
+    });
+}
