@@ -17,7 +17,9 @@
 
 pub use burn::tensor::{Device, Tensor};
 pub use ffn_model as model;
-pub use ffn_model::{Activation, DropoutAt, FeedForward, FeedForwardConfig, Variant};
+pub use ffn_model::{
+    Activation, DropoutAt, FeedForward, FeedForwardConfig, Moe, MoeConfig, Variant,
+};
 pub use ffn_train as train;
 
 /// The default CPU device of this build: Flex when the `flex` feature is on (the default), else

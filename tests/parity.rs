@@ -181,3 +181,106 @@ fn every_backend_computes_the_same_outputs_and_gradients() {
         println!("{backend:>8}: largest error vs f64 {error:.1e} ({what})");
     }
 }
+
+/// The mixture-of-experts layer (its grouped expert op) on every backend, against the f64
+/// composed layer on Flex: output, input gradient and the gradients of the router and the
+/// stacked experts, for Mixtral-, Qwen2- and DeepSeek-style layers.
+#[test]
+fn every_backend_computes_the_same_moe() {
+    use ffn::model::{MoeConfig, Scoring};
+    let reference_device = Device::flex().autodiff();
+    let swiglu = FeedForwardConfig::preset(Variant::SwiGlu, D_MODEL);
+    let configs = [
+        MoeConfig::new(swiglu.clone(), 4, 2),
+        MoeConfig::new(swiglu.clone().with_bias_up(true).with_bias_gate(true), 6, 3)
+            .with_normalize_top_k(false)
+            .with_shared_experts(1, Some(24), true),
+        MoeConfig::new(swiglu.with_memory(Memory::Recompute), 8, 2)
+            .with_scoring(Scoring::Sigmoid)
+            .with_groups(4, 2)
+            .with_routed_scaling(2.5)
+            .with_shared_experts(1, None, false),
+        MoeConfig::new(FeedForwardConfig::preset(Variant::FfnGelu, D_MODEL), 3, 1),
+    ];
+    let run = |moe: &ffn::Moe, x: TensorData, dtype: DType, device: &Device, composed: bool| {
+        let x = Tensor::<3>::from_data(x, (device, dtype)).require_grad();
+        let out = if composed {
+            moe.forward_composed(x.clone())
+        } else {
+            moe.forward(x.clone())
+        };
+        let y = out.output;
+        let grads = (y.clone() * y.clone()).sum().backward();
+        let host = |t: TensorData| t.iter::<f64>().collect::<Vec<f64>>();
+        let mut all = vec![
+            ("y", host(y.into_data())),
+            ("dx", host(x.grad(&grads).unwrap().into_data())),
+            (
+                "drouter",
+                host(moe.router().weight.val().grad(&grads).unwrap().into_data()),
+            ),
+            (
+                "dw_up",
+                host(moe.w_up().val().grad(&grads).unwrap().into_data()),
+            ),
+            (
+                "dw_down",
+                host(moe.w_down().val().grad(&grads).unwrap().into_data()),
+            ),
+        ];
+        if let Some(w) = moe.w_gate() {
+            all.push(("dw_gate", host(w.val().grad(&grads).unwrap().into_data())));
+        }
+        all
+    };
+    for (i, config) in configs.iter().enumerate() {
+        reference_device.seed(40 + i as u64);
+        let moe = config.init(&reference_device);
+        let x = Tensor::<3>::random(
+            [3, 7, D_MODEL],
+            Distribution::Normal(0.0, 1.0),
+            &reference_device,
+        )
+        .into_data();
+        let oracle = moe.clone().map(&mut Cast(DType::F64));
+        let expected = run(&oracle, x.clone(), DType::F64, &reference_device, true);
+        for (backend, device, tolerance) in &backends() {
+            let moved = moe.clone().map(&mut Move(device.clone()));
+            let device = device.clone().autodiff();
+            let actual = run(&moved, x.clone(), DType::F32, &device, false);
+            assert_eq!(actual.len(), expected.len());
+            for ((what, a), (_, b)) in actual.iter().zip(&expected) {
+                let scale = b.iter().fold(1.0f64, |m, v| m.max(v.abs()));
+                let error = a
+                    .iter()
+                    .zip(b)
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0.0, f64::max)
+                    / scale;
+                assert!(
+                    error <= *tolerance,
+                    "{backend} MoE config {i}: {what} off by {error:e} (tolerance {tolerance:e})"
+                );
+            }
+        }
+    }
+}
+
+/// Moves every float parameter to a device (with autodiff), keeping ids.
+struct Move(Device);
+
+impl burn::module::ModuleMapper for Move {
+    fn map_float<const D: usize>(
+        &mut self,
+        param: burn::module::Param<Tensor<D>>,
+    ) -> burn::module::Param<Tensor<D>> {
+        let id = param.id;
+        let t = param
+            .val()
+            .inner()
+            .to_device(&self.0)
+            .autodiff()
+            .require_grad();
+        burn::module::Param::initialized(id, t)
+    }
+}

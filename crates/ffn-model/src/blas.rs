@@ -11,6 +11,7 @@
 //!   product into one block per rayon thread, so the library's threads never compete with
 //!   Flex's rayon pool; `FFN_BLAS_THREADS=blas` leaves the threading to the library.
 
+use std::cell::Cell;
 use std::ffi::{CStr, CString, c_char, c_int, c_void};
 use std::sync::OnceLock;
 
@@ -128,6 +129,20 @@ fn symbol(handle: *mut c_void, name: &CStr) -> Option<*mut c_void> {
     (!ptr.is_null()).then_some(ptr)
 }
 
+thread_local! {
+    /// Set while this thread runs [`unsplit`] work.
+    static UNSPLIT: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Runs `work` with every product on this thread in one library call, not split over
+/// rayon's threads (for work that is itself one of several pieces run in parallel).
+pub fn unsplit<T>(work: impl FnOnce() -> T) -> T {
+    let before = UNSPLIT.with(|u| u.replace(true));
+    let out = work();
+    UNSPLIT.with(|u| u.set(before));
+    out
+}
+
 /// Pointers cross to rayon's threads as addresses.
 #[derive(Clone, Copy)]
 struct Ptr(usize);
@@ -146,8 +161,8 @@ impl Blas {
         } else {
             1
         };
-        // Small products, or one thread: one call.
-        if threads <= 1 || m * n * k < 1 << 21 {
+        // Small products, one thread, or inside `unsplit`: one call.
+        if threads <= 1 || m * n * k < 1 << 21 || UNSPLIT.with(Cell::get) {
             unsafe { self.call(m, n, k, a, b, c, n) };
             return;
         }

@@ -21,6 +21,19 @@ use crate::blas::{self, Operand};
 use crate::op::{Kernels, Pre, composed};
 
 impl Kernels for Flex {
+    /// With at least as many pieces as rayon has threads, the pieces run in parallel, each
+    /// with unsplit (single-threaded) matrix products: for the experts of a mixture, larger
+    /// products per thread than splitting each expert's products over the threads.
+    fn ffn_each<T: Send>(n: usize, work: impl Fn(usize) -> T + Sync) -> Vec<T> {
+        if n < 2 || n < rayon::current_num_threads() {
+            return (0..n).map(work).collect();
+        }
+        (0..n)
+            .into_par_iter()
+            .map(|i| blas::unsplit(|| work(i)))
+            .collect()
+    }
+
     fn ffn_matmul(lhs: FlexTensor, rhs: FlexTensor) -> FlexTensor {
         match blas::get() {
             Some(blas) if lhs.dtype() == DType::F32 && rhs.dtype() == DType::F32 => {

@@ -10,6 +10,7 @@
 //! | `t5` | `encoder.block.i.layer.1.DenseReluDense.{wi,wi_0,wi_1,wo}` | `d_model`, `d_ff`, `feed_forward_proj`, `dropout_rate` |
 //! | `llama`, `mistral`, `qwen2` | `model.layers.i.mlp.{gate,up,down}_proj` | `hidden_size`, `intermediate_size`, `hidden_act`, `mlp_bias` |
 //! | `gpt2` | `transformer.h.i.mlp.{c_fc,c_proj}` | `n_embd`, `n_inner`, `activation_function`, `resid_pdrop` |
+//! | `mixtral`, `qwen2_moe`, `qwen3_moe`, `deepseek_v3` | dense layers as `llama`; sparse layers: [`HfModel::load_moe_layer`] | see [`HfModel::moe_config`] |
 //!
 //! T5's `feed_forward_proj = "gated-gelu"` means the tanh GELU (`transformers` maps it to
 //! `gelu_new`), as T5 v1.1 was trained.
@@ -27,12 +28,24 @@ use crate::{Activation, DropoutAt, Error, FeedForward, FeedForwardConfig, Scheme
 pub struct HfModel {
     folder: PathBuf,
     model_type: String,
-    config: Map<String, Value>,
-    files: TensorFiles,
+    pub(crate) config: Map<String, Value>,
+    pub(crate) files: TensorFiles,
 }
 
 /// The model types understood.
-pub const MODEL_TYPES: [&str; 7] = ["bert", "roberta", "t5", "llama", "mistral", "qwen2", "gpt2"];
+pub const MODEL_TYPES: [&str; 11] = [
+    "bert",
+    "roberta",
+    "t5",
+    "llama",
+    "mistral",
+    "qwen2",
+    "gpt2",
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "deepseek_v3",
+];
 
 impl HfModel {
     /// Opens a folder: reads `config.json` and the headers of the weight files.
@@ -151,7 +164,7 @@ impl HfModel {
         }
     }
 
-    fn error(&self, field: &str, message: impl Into<String>) -> Error {
+    pub(crate) fn error(&self, field: &str, message: impl Into<String>) -> Error {
         Error::HfConfig {
             path: self.folder.join("config.json"),
             field: field.to_string(),
@@ -160,7 +173,7 @@ impl HfModel {
     }
 
     /// A size or count: an integer in `1..=MAX_DIM`.
-    fn size(&self, field: &str) -> Result<usize, Error> {
+    pub(crate) fn size(&self, field: &str) -> Result<usize, Error> {
         match self.config.get(field) {
             Some(v) => v
                 .as_u64()
@@ -180,7 +193,7 @@ impl HfModel {
         }
     }
 
-    fn string(&self, field: &str, default: &str) -> Result<String, Error> {
+    pub(crate) fn string(&self, field: &str, default: &str) -> Result<String, Error> {
         match self.config.get(field) {
             None | Some(Value::Null) => Ok(default.to_string()),
             Some(Value::String(s)) => Ok(s.clone()),
@@ -188,7 +201,7 @@ impl HfModel {
         }
     }
 
-    fn number(&self, field: &str, default: f64) -> Result<f64, Error> {
+    pub(crate) fn number(&self, field: &str, default: f64) -> Result<f64, Error> {
         match self.config.get(field) {
             None | Some(Value::Null) => Ok(default),
             Some(v) => v
@@ -197,7 +210,7 @@ impl HfModel {
         }
     }
 
-    fn activation(&self, field: &str, name: &str) -> Result<Activation, Error> {
+    pub(crate) fn activation(&self, field: &str, name: &str) -> Result<Activation, Error> {
         name.parse()
             .map_err(|e: crate::ConfigError| self.error(field, e.to_string()))
     }

@@ -139,6 +139,13 @@ pub trait Kernels: Backend {
         composed::hidden::<Self>(pre, activation)
     }
 
+    /// Runs `work(i)` for `i` in `0..n`, pieces of work independent of each other (the
+    /// experts of the grouped op), and returns the results in order: one after another by
+    /// default.
+    fn ffn_each<T: Send>(n: usize, work: impl Fn(usize) -> T + Sync) -> Vec<T> {
+        (0..n).map(work).collect()
+    }
+
     /// The gradient of the pre-activations, given `dh = ∂L/∂h`, in the form of `pre`.
     fn ffn_hidden_backward(
         dh: FloatTensor<Self>,

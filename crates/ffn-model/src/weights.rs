@@ -358,7 +358,10 @@ impl Slot {
 }
 
 /// Replaces a parameter's value, keeping its id, device, dtype and gradient setting.
-fn load_param<const D: usize>(param: &Param<Tensor<D>>, data: TensorData) -> Param<Tensor<D>> {
+pub(crate) fn load_param<const D: usize>(
+    param: &Param<Tensor<D>>,
+    data: TensorData,
+) -> Param<Tensor<D>> {
     let current = param.val();
     let tensor = Tensor::from_data(data, (&current.device(), current.dtype()));
     param.clone().transform_for_load(tensor, param.id)

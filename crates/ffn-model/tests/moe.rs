@@ -633,3 +633,161 @@ fn random_configs_validate_or_run() {
         }
     });
 }
+
+/// The sparse block of tiny `transformers` models (`tools/moe_fixtures.py`) loaded with
+/// `HfModel::load_moe_layer`: output, router logits and the gradients of the input, the router
+/// and expert 1, against `transformers` run in f64 on the same (f32) weights: within 2e-5 in
+/// f32 and 1e-6 in f64 (`transformers` computes the routing scores in f32 even then, which
+/// leaves 1e-7 differences).
+#[test]
+fn hugging_face_moe_layers_match_transformers() {
+    use common::read_f64;
+    use ffn_model::HfModel;
+    for name in ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"] {
+        let folder = common::data_file(&format!("hf/{name}"));
+        let mut model = HfModel::open(&folder).unwrap();
+        let bytes = std::fs::read(folder.join("moe_io.safetensors")).unwrap();
+        let golden = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let expected = |key: &str| read_f64(&golden, key).iter::<f64>().collect::<Vec<f64>>();
+        for (dtype, tolerance) in [(DType::F64, 1e-6), (DType::F32, 2e-5)] {
+            let device = device();
+            let moe = model
+                .load_moe_layer(1, &device)
+                .unwrap()
+                .map(&mut Cast(dtype));
+            let x = Tensor::<3>::from_data(read_f64(&golden, "x"), (&device, dtype)).require_grad();
+            let g = Tensor::<3>::from_data(read_f64(&golden, "g"), (&device, dtype));
+            let out = moe.forward(x.clone());
+            let grads = (out.output.clone() * g).sum().backward();
+            let f64s = |t: Tensor<2>| values(t.cast(DType::F64));
+            let expert = |p: &Param<Tensor<3>>| {
+                let grad = p.val().grad(&grads).unwrap();
+                f64s(grad.narrow(0, 1, 1).squeeze_dim::<2>(0).transpose())
+            };
+            let got = [
+                ("y", f64s(out.output.reshape([10, -1]))),
+                ("router_logits", f64s(out.router_logits)),
+                ("dx", f64s(x.grad(&grads).unwrap().reshape([10, -1]))),
+                (
+                    "d_router",
+                    f64s(moe.router().weight.val().grad(&grads).unwrap().transpose()),
+                ),
+                ("d_gate", expert(moe.w_gate().unwrap())),
+                ("d_up", expert(moe.w_up())),
+                ("d_down", expert(moe.w_down())),
+            ];
+            for (key, actual) in got {
+                let e = error(&actual, &expected(key));
+                println!("{name} {dtype:?} {key}: {e:.1e}");
+                assert!(e < tolerance, "{name} {dtype:?} {key}: {e:e}");
+            }
+        }
+    }
+}
+
+/// Edited MoE checkpoints and configs: each a typed error, never a panic.
+#[test]
+fn broken_moe_checkpoints_are_typed_errors() {
+    use ffn_model::{Error, HfModel};
+    let source = common::data_file("hf/mixtral");
+    let config = std::fs::read_to_string(source.join("config.json")).unwrap();
+    let weights = std::fs::read(source.join("model.safetensors")).unwrap();
+    let file = safetensors::SafeTensors::deserialize(&weights).unwrap();
+    let prefix = "model.layers.1.block_sparse_moe.";
+    // The file with `edit` applied to its (name → (shape, f32 values)) map.
+    let edited = |edit: &dyn Fn(&mut Vec<(String, Vec<usize>, Vec<f32>)>)| {
+        let mut tensors: Vec<(String, Vec<usize>, Vec<f32>)> = file
+            .tensors()
+            .into_iter()
+            .map(|(name, view)| {
+                let data = view
+                    .data()
+                    .chunks_exact(4)
+                    .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+                    .collect();
+                (name, view.shape().to_vec(), data)
+            })
+            .collect();
+        edit(&mut tensors);
+        let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = tensors
+            .into_iter()
+            .map(|(n, s, d)| (n, s, d.iter().flat_map(|v| v.to_le_bytes()).collect()))
+            .collect();
+        let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = bytes
+            .iter()
+            .map(|(n, s, d)| {
+                let view =
+                    safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), d);
+                (n.clone(), view.unwrap())
+            })
+            .collect();
+        safetensors::serialize(views, None).unwrap()
+    };
+    let load = |config: &str, weights: &[u8]| {
+        let dir = common::scratch("moe-broken");
+        std::fs::write(dir.join("config.json"), config).unwrap();
+        std::fs::write(dir.join("model.safetensors"), weights).unwrap();
+        let result = HfModel::open(&*dir).and_then(|mut m| m.load_moe_layer(1, &Device::flex()));
+        result.map(drop)
+    };
+    assert!(load(&config, &weights).is_ok());
+    let expert = |e: usize, w: &str| format!("{prefix}experts.{e}.{w}.weight");
+    // An expert missing.
+    let missing = edited(&|t| t.retain(|(n, ..)| *n != expert(3, "w2")));
+    assert!(
+        matches!(load(&config, &missing), Err(Error::MissingTensor { key, .. }) if key == expert(3, "w2"))
+    );
+    // An extra expert.
+    let extra = edited(&|t| {
+        let copy = t
+            .iter()
+            .find(|(n, ..)| *n == expert(0, "w1"))
+            .unwrap()
+            .clone();
+        t.push((expert(4, "w1"), copy.1, copy.2));
+    });
+    assert!(
+        matches!(load(&config, &extra), Err(Error::UnexpectedTensor { key, .. }) if key == expert(4, "w1"))
+    );
+    // Experts of unequal shapes.
+    let unequal = edited(&|t| {
+        let w = t.iter_mut().find(|(n, ..)| *n == expert(2, "w3")).unwrap();
+        w.1 = vec![11, 16];
+        w.2.truncate(11 * 16);
+    });
+    assert!(
+        matches!(load(&config, &unequal), Err(Error::Shape { key, .. }) if key == expert(2, "w3"))
+    );
+    // A router of the wrong width.
+    let router = edited(&|t| {
+        let w = t
+            .iter_mut()
+            .find(|(n, ..)| *n == format!("{prefix}gate.weight"))
+            .unwrap();
+        w.1 = vec![3, 16];
+        w.2.truncate(3 * 16);
+    });
+    assert!(matches!(load(&config, &router), Err(Error::Shape { .. })));
+    // top-k above the expert count; no experts at all.
+    for (from, to) in [
+        ("\"num_experts_per_tok\": 2", "\"num_experts_per_tok\": 5"),
+        ("\"num_local_experts\": 4", "\"num_local_experts\": 0"),
+    ] {
+        assert!(config.contains(from), "{from}");
+        let bad = config.replace(from, to);
+        assert!(
+            matches!(load(&bad, &weights), Err(Error::HfConfig { .. })),
+            "{to}"
+        );
+    }
+    // A dense layer asked for as sparse, and a dense model asked for its MoE config.
+    let deepseek = common::data_file("hf/deepseek_v3");
+    let mut model = HfModel::open(&deepseek).unwrap();
+    assert!(matches!(
+        model.load_moe_layer(0, &Device::flex()),
+        Err(Error::MissingTensor { .. })
+    ));
+    assert!(model.load_layer(0, &Device::flex()).is_ok());
+    let llama = HfModel::open(common::data_file("hf/llama")).unwrap();
+    assert!(matches!(llama.moe_config(), Err(Error::HfConfig { .. })));
+}

@@ -122,11 +122,11 @@ fn grouped_inference<B: Kernels>(
     groups: &Groups,
     spec: Spec,
 ) -> FloatTensor<B> {
-    let parts: Vec<_> = groups
-        .ranges()
-        .filter(|(_, r)| !r.is_empty())
-        .map(|(e, r)| inference::<B>(rows::<B>(&x, &r), expert_weights::<B>(&w, e), spec))
-        .collect();
+    let active: Vec<_> = groups.ranges().filter(|(_, r)| !r.is_empty()).collect();
+    let parts = B::ffn_each(active.len(), |i| {
+        let (e, r) = &active[i];
+        inference::<B>(rows::<B>(&x, r), expert_weights::<B>(&w, *e), spec)
+    });
     join::<B>(parts, &x, &w)
 }
 
@@ -240,17 +240,20 @@ impl<B: Kernels, const N: usize> Backward<B, N> for ExpertsBackward {
         // Per expert: [dW_gate, dW_up, dW_down, db_gate, db_up, db_down]; dx per group.
         let mut per_expert: [Vec<Option<FloatTensor<B>>>; 6] =
             std::array::from_fn(|_| vec![None; n_experts]);
-        let mut dx_parts = Vec::with_capacity(groups.len());
-        for group in groups {
-            let g = backward_pass::<B>(
+        let computed = B::ffn_each(groups.len(), |i| {
+            let group = &groups[i];
+            backward_pass::<B>(
                 &rows::<B>(&x, &group.rows),
                 rows::<B>(&dy, &group.rows),
                 &expert_weights::<B>(&w, group.expert),
-                group.pre,
-                group.h,
+                group.pre.clone(),
+                group.h.clone(),
                 spec,
                 need,
-            );
+            )
+        });
+        let mut dx_parts = Vec::with_capacity(groups.len());
+        for (group, g) in groups.iter().zip(computed) {
             let e = group.expert;
             for (slot, grad) in per_expert
                 .iter_mut()
@@ -298,21 +301,24 @@ fn tracked<B: Kernels, C: CheckpointStrategy, const N: usize>(
         .stateful()
     {
         OpsKind::Tracked(prep) => {
-            let mut saved = Vec::new();
-            let mut parts = Vec::new();
-            for (e, r) in groups.ranges().filter(|(_, r)| !r.is_empty()) {
+            let active: Vec<_> = groups.ranges().filter(|(_, r)| !r.is_empty()).collect();
+            let computed = B::ffn_each(active.len(), |i| {
+                let (e, r) = active[i].clone();
                 let we = expert_weights::<B>(&w, e);
                 let pre = project_in(&rows::<B>(&x, &r), &we, spec);
                 let (y, h) = project_out_chunked(&pre, &we, spec);
-                parts.push(y);
                 let h = h.filter(|_| spec.memory == crate::Memory::Save);
-                saved.push(Group {
-                    expert: e,
-                    rows: r,
-                    pre,
-                    h,
-                });
-            }
+                (
+                    y,
+                    Group {
+                        expert: e,
+                        rows: r,
+                        pre,
+                        h,
+                    },
+                )
+            });
+            let (parts, saved): (Vec<_>, Vec<_>) = computed.into_iter().unzip();
             let y = join::<B>(parts, &x, &w);
             let state = Saved {
                 x,

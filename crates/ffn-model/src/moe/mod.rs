@@ -6,8 +6,10 @@
 //! - `config.rs`: the serde config and its validation;
 //! - `router.rs`: choosing each token's experts (top-k, groups, selection bias, capacity);
 //! - `experts.rs`: the experts as one grouped FFN op with its own backward pass;
-//! - `model.rs`: the layer, its routing weights and auxiliary losses.
+//! - `model.rs`: the layer, its routing weights and auxiliary losses;
+//! - `checkpoint.rs`: the sparse layers of Hugging Face checkpoints.
 
+mod checkpoint;
 mod config;
 mod experts;
 mod model;

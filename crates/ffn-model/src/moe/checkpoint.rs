@@ -1,0 +1,273 @@
+//! # The sparse layers of Hugging Face MoE checkpoints
+//!
+//! [`HfModel::moe_config`] reads the layer's shape from `config.json`, and
+//! [`HfModel::load_moe_layer`] loads one sparse layer (router, experts, shared experts):
+//!
+//! | `model_type` | layer `i` | experts | config keys |
+//! |---|---|---|---|
+//! | `mixtral` | `model.layers.i.block_sparse_moe.` | `experts.{e}.w1/w3/w2` | `num_local_experts`, `num_experts_per_tok`, `intermediate_size`, `router_jitter_noise` |
+//! | `qwen2_moe` | `model.layers.i.mlp.` | `experts.{e}.{gate,up,down}_proj`, `shared_expert.*`, `shared_expert_gate` | `num_experts`, `moe_intermediate_size`, `norm_topk_prob`, `shared_expert_intermediate_size` |
+//! | `qwen3_moe` | `model.layers.i.mlp.` | `experts.{e}.{gate,up,down}_proj` | `num_experts` (or `num_local_experts`), `moe_intermediate_size`, `norm_topk_prob` |
+//! | `deepseek_v3` | `model.layers.i.mlp.` | `experts.{e}.{gate,up,down}_proj`, `shared_experts.*`, `gate.e_score_correction_bias` | `n_routed_experts`, `moe_intermediate_size`, `n_group`, `topk_group`, `n_shared_experts`, `routed_scaling_factor`, `norm_topk_prob` |
+//!
+//! Every type also accepts the packed layout that `transformers` holds in memory (and some
+//! exports write): `experts.gate_up_proj` `[E, 2·d_ff, d_model]` and `experts.down_proj`
+//! `[E, d_model, d_ff]`. All use `hidden_act`, `hidden_size` and `router_aux_loss_coef`. The
+//! dense layers of these models (DeepSeek's first `first_k_dense_replace`, Qwen's
+//! `mlp_only_layers`) load with [`HfModel::load_layer`].
+
+use burn::tensor::{Device, TensorData};
+use serde_json::Value;
+
+use crate::host::transpose;
+use crate::safetensors::TensorFiles;
+use crate::weights::load_param;
+use crate::{Error, HfModel, Moe, MoeConfig, Scheme, Scoring};
+
+/// The MoE model types.
+const MOE_TYPES: [&str; 4] = ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"];
+
+impl HfModel {
+    /// The [`MoeConfig`] of the model's sparse layers, from `config.json`.
+    pub fn moe_config(&self) -> Result<MoeConfig, Error> {
+        let kind = self.model_type();
+        if !MOE_TYPES.contains(&kind) {
+            return Err(self.error(
+                "model_type",
+                format!(
+                    "`{kind}` has no mixture-of-experts layers; those that do: {}",
+                    MOE_TYPES.join(", ")
+                ),
+            ));
+        }
+        let mut expert = self.ffn_config()?;
+        let first = |fields: &[&str]| -> Result<usize, Error> {
+            let field = fields
+                .iter()
+                .find(|f| !matches!(self.config.get(**f), None | Some(Value::Null)))
+                .unwrap_or(&fields[0]);
+            self.size(field)
+        };
+        expert.d_ff = match kind {
+            "mixtral" => self.size("intermediate_size")?,
+            _ => self.size("moe_intermediate_size")?,
+        };
+        let n_experts = first(&["num_local_experts", "num_experts", "n_routed_experts"])?;
+        let top_k = self.size("num_experts_per_tok")?;
+        if top_k > n_experts {
+            return Err(self.error(
+                "num_experts_per_tok",
+                format!("{top_k} is more than the {n_experts} experts"),
+            ));
+        }
+        let boolean = |field: &str, default: bool| match self.config.get(field) {
+            None | Some(Value::Null) => Ok(default),
+            Some(Value::Bool(b)) => Ok(*b),
+            Some(v) => Err(self.error(field, format!("must be a boolean, got {v}"))),
+        };
+        let mut config = MoeConfig::new(expert, n_experts, top_k)
+            .with_loss_coefs(self.number("router_aux_loss_coef", 0.001)?, 0.0);
+        config = match kind {
+            "mixtral" => config.with_jitter(self.number("router_jitter_noise", 0.0)?),
+            "qwen2_moe" => config
+                .with_normalize_top_k(boolean("norm_topk_prob", false)?)
+                .with_shared_experts(1, Some(self.size("shared_expert_intermediate_size")?), true),
+            "qwen3_moe" => config.with_normalize_top_k(boolean("norm_topk_prob", false)?),
+            _ => {
+                let shared = match self.config.get("n_shared_experts") {
+                    None | Some(Value::Null) => 0,
+                    Some(_) => self.size("n_shared_experts")?,
+                };
+                config
+                    .with_scoring(Scoring::Sigmoid)
+                    .with_normalize_top_k(boolean("norm_topk_prob", true)?)
+                    .with_groups(self.size("n_group")?, self.size("topk_group")?)
+                    .with_selection_bias(true, 0.001)
+                    .with_routed_scaling(self.number("routed_scaling_factor", 1.0)?)
+                    .with_shared_experts(shared, None, false)
+            }
+        };
+        config.validate().map_err(|e| {
+            let field = match &e {
+                crate::ConfigError::Moe { field, .. } => field.to_string(),
+                _ => "config.json".into(),
+            };
+            self.error(&field, e.to_string())
+        })?;
+        Ok(config)
+    }
+
+    /// The key prefix of layer `layer`'s sparse block.
+    fn moe_prefix(&self, layer: usize) -> Result<String, Error> {
+        let layers = self.num_layers()?;
+        if layer >= layers {
+            return Err(Error::LayerOutOfRange { layer, layers });
+        }
+        let block = if self.model_type() == "mixtral" {
+            "block_sparse_moe"
+        } else {
+            "mlp"
+        };
+        let candidates = ["model.", ""].map(|p| format!("{p}layers.{layer}.{block}."));
+        candidates
+            .iter()
+            .find(|p| self.files.info(&format!("{p}gate.weight")).is_some())
+            .cloned()
+            .ok_or_else(|| Error::MissingTensor {
+                key: format!("{}gate.weight", candidates[0]),
+                hint: format!(
+                    " (layer {layer} has no router: a dense layer loads with `load_layer`)"
+                ),
+            })
+    }
+
+    /// Builds the layer of [`moe_config`](Self::moe_config) on `device` and loads the router,
+    /// experts and shared experts of layer `layer` into it. Every expert `0..n_experts` must be
+    /// there with the config's shapes, and nothing else under the block's prefix.
+    pub fn load_moe_layer(&mut self, layer: usize, device: &Device) -> Result<Moe, Error> {
+        let config = self.moe_config()?;
+        let prefix = self.moe_prefix(layer)?;
+        let moe = config.try_init(device)?;
+        let (e_count, d, f) = (config.n_experts, config.d_model(), config.expert.d_ff);
+        let kind = self.model_type().to_string();
+        let mut reader = Reader {
+            files: &mut self.files,
+            used: Vec::new(),
+        };
+
+        let router = reader.take(&format!("{prefix}gate.weight"), &[e_count, d])?;
+        let bias = if config.selection_bias {
+            Some(reader.take(&format!("{prefix}gate.e_score_correction_bias"), &[e_count])?)
+        } else {
+            None
+        };
+        let names = match kind.as_str() {
+            "mixtral" => ["w1", "w3", "w2"],
+            _ => ["gate_proj", "up_proj", "down_proj"],
+        };
+        let packed = format!("{prefix}experts.gate_up_proj");
+        // [gate, up, down] stacked in burn's layout: [E, d, f], [E, d, f], [E, f, d].
+        let mut stacked = [Vec::new(), Vec::new(), Vec::new()];
+        if reader.files.info(&packed).is_some() {
+            let gate_up = reader.take(&packed, &[e_count, 2 * f, d])?;
+            let down = reader.take(&format!("{prefix}experts.down_proj"), &[e_count, d, f])?;
+            let (gate_up, down) = (values(&gate_up), values(&down));
+            for e in 0..e_count {
+                let block = &gate_up[e * 2 * f * d..(e + 1) * 2 * f * d];
+                for (half, out) in stacked.iter_mut().take(2).enumerate() {
+                    let rows =
+                        TensorData::new(block[half * f * d..(half + 1) * f * d].to_vec(), [f, d]);
+                    out.extend(values(&transpose(&rows, f, d)));
+                }
+                let rows = TensorData::new(down[e * d * f..(e + 1) * d * f].to_vec(), [d, f]);
+                stacked[2].extend(values(&transpose(&rows, d, f)));
+            }
+        } else {
+            for e in 0..e_count {
+                for (i, name) in names.iter().enumerate() {
+                    let shape = if i == 2 { [d, f] } else { [f, d] };
+                    let key = format!("{prefix}experts.{e}.{name}.weight");
+                    let w = reader.take(&key, &shape)?;
+                    stacked[i].extend(values(&transpose(&w, shape[0], shape[1])));
+                }
+            }
+        }
+
+        let (shared_prefix, shared_gate) = match kind.as_str() {
+            "qwen2_moe" => (
+                Some(format!("{prefix}shared_expert.")),
+                Some(reader.take(&format!("{prefix}shared_expert_gate.weight"), &[1, d])?),
+            ),
+            "deepseek_v3" if config.n_shared_experts > 0 => {
+                (Some(format!("{prefix}shared_experts.")), None)
+            }
+            _ => (None, None),
+        };
+        let Reader { files, used } = reader;
+        // Anything else under the prefix (an extra expert, a bias the layer does not have) is
+        // an error, except the shared experts' own keys, which their loader checks.
+        let unexpected = files.keys().find(|key| {
+            key.starts_with(&prefix)
+                && !used.iter().any(|u| u == key)
+                && !shared_prefix
+                    .as_ref()
+                    .is_some_and(|p| key.starts_with(p.as_str()))
+        });
+        if let Some(key) = unexpected {
+            return Err(Error::UnexpectedTensor {
+                key: key.to_string(),
+                hint: format!(" (the layer has {e_count} experts of [{f}, {d}] and no biases)"),
+            });
+        }
+        let mut moe = moe;
+        if let (Some(p), Some(shared)) = (&shared_prefix, moe.shared.take()) {
+            moe.shared = Some(shared.load_from(files, Scheme::Llama, p)?);
+        }
+        let [gate, up, down] = stacked;
+        Ok(moe.load_parts(Parts {
+            router: transpose(&router, e_count, d),
+            selection_bias: bias,
+            w_gate: TensorData::new(gate, [e_count, d, f]),
+            w_up: TensorData::new(up, [e_count, d, f]),
+            w_down: TensorData::new(down, [e_count, f, d]),
+            shared_gate: shared_gate.map(|g| transpose(&g, 1, d)),
+        }))
+    }
+}
+
+/// Loaded values in burn's layout.
+pub(crate) struct Parts {
+    router: TensorData,
+    selection_bias: Option<TensorData>,
+    w_gate: TensorData,
+    w_up: TensorData,
+    w_down: TensorData,
+    shared_gate: Option<TensorData>,
+}
+
+impl Moe {
+    fn load_parts(mut self, parts: Parts) -> Self {
+        self.router.weight = load_param(&self.router.weight, parts.router);
+        if let (Some(param), Some(bias)) = (self.selection_bias.as_mut(), parts.selection_bias) {
+            *param = load_param(param, bias);
+        }
+        if let Some(param) = self.w_gate.as_mut() {
+            *param = load_param(param, parts.w_gate);
+        }
+        self.w_up = load_param(&self.w_up, parts.w_up);
+        self.w_down = load_param(&self.w_down, parts.w_down);
+        if let (Some(gate), Some(w)) = (self.shared_gate.as_mut(), parts.shared_gate) {
+            gate.weight = load_param(&gate.weight, w);
+        }
+        self
+    }
+}
+
+fn values(data: &TensorData) -> Vec<f64> {
+    data.iter::<f64>().collect()
+}
+
+/// Reads tensors by key, checking shapes and noting the keys used.
+struct Reader<'a> {
+    files: &'a mut TensorFiles,
+    used: Vec<String>,
+}
+
+impl Reader<'_> {
+    fn take(&mut self, key: &str, shape: &[usize]) -> Result<TensorData, Error> {
+        let info = self.files.info(key).ok_or_else(|| Error::MissingTensor {
+            key: key.to_string(),
+            hint: String::new(),
+        })?;
+        if info.shape != shape {
+            return Err(Error::Shape {
+                key: key.to_string(),
+                expected: shape.to_vec(),
+                actual: info.shape.clone(),
+            });
+        }
+        let data = self.files.read_float(key)?;
+        self.used.push(key.to_string());
+        Ok(data)
+    }
+}

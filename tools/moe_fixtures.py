@@ -1,0 +1,88 @@
+#!/usr/bin/env python3
+"""Tiny mixture-of-experts models for ffn-model's MoE loading tests, made locally by
+`transformers` (nothing is downloaded).
+
+For each model type it builds a randomly initialised two-layer model from a small config,
+saves it with `save_pretrained` into crates/ffn-model/tests/data/hf/<name>/, and records for
+layer 1's sparse block (in float64, train mode off, experts_implementation="eager"), for a fixed
+input x of shape [2, 5, hidden] and the loss L = Σ y ⊙ g:
+
+    x, g, y                     the input, the loss weights, the block's output
+    router_logits               the router's logits, [10, n_experts]
+    dx                          ∂L/∂x
+    d_router                    ∂L/∂(router weight), [n_experts, hidden] (PyTorch layout)
+    d_gate, d_up, d_down        ∂L/∂ of expert 1's gate/up/down weights (PyTorch layout)
+
+into <name>/moe_io.safetensors. Types: mixtral (softmax, top-2 renormalised), qwen2_moe
+(softmax, top-2 not renormalised, a shared expert gated by σ), qwen3_moe (softmax, top-2
+renormalised), deepseek_v3 (sigmoid scores, 4 groups of 2, top-2 groups, a non-zero
+e_score_correction_bias, routed scaling 2.5, a shared expert; layer 0 dense).
+
+    pip install torch transformers safetensors && python3 tools/moe_fixtures.py
+"""
+
+import pathlib
+import shutil
+
+import torch
+import transformers
+from safetensors.torch import save_file
+
+OUT = pathlib.Path(__file__).resolve().parent.parent / "crates/ffn-model/tests/data/hf"
+HIDDEN, EXPERT = 16, 12
+
+
+def models():
+    common = dict(vocab_size=64, hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=2, max_position_embeddings=32)
+    return {
+        "mixtral": (transformers.MixtralForCausalLM, transformers.MixtralConfig(
+            **common, intermediate_size=EXPERT, num_local_experts=4, num_experts_per_tok=2)),
+        "qwen2_moe": (transformers.Qwen2MoeForCausalLM, transformers.Qwen2MoeConfig(
+            **common, intermediate_size=20, moe_intermediate_size=EXPERT, num_experts=6,
+            num_experts_per_tok=2, norm_topk_prob=False, shared_expert_intermediate_size=20)),
+        "qwen3_moe": (transformers.Qwen3MoeForCausalLM, transformers.Qwen3MoeConfig(
+            **common, intermediate_size=20, moe_intermediate_size=EXPERT, num_experts=4,
+            num_experts_per_tok=2, norm_topk_prob=True, head_dim=8)),
+        "deepseek_v3": (transformers.DeepseekV3ForCausalLM, transformers.DeepseekV3Config(
+            **common, intermediate_size=20, moe_intermediate_size=EXPERT, n_routed_experts=8,
+            num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1,
+            routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1,
+            q_lora_rank=None, kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4,
+            v_head_dim=8)),
+    }
+
+
+def main():
+    for name, (cls, config) in models().items():
+        torch.manual_seed(0)
+        model = cls._from_config(config, experts_implementation="eager").eval()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_(0.0, 0.3)
+            for n, b in model.named_buffers():
+                if n.endswith("e_score_correction_bias"):
+                    b.copy_(torch.randn_like(b) * 0.1)
+        folder = OUT / name
+        shutil.rmtree(folder, ignore_errors=True)
+        model.save_pretrained(folder)
+        block = model.model.layers[1].mlp.double()
+        x = torch.randn(2, 5, HIDDEN, dtype=torch.float64, requires_grad=True)
+        g = torch.randn(2, 5, HIDDEN, dtype=torch.float64)
+        y = block(x)
+        (y * g).sum().backward()
+        logits = torch.nn.functional.linear(x.reshape(-1, HIDDEN), block.gate.weight)
+        f = block.experts.gate_up_proj.shape[1] // 2
+        grad = block.experts.gate_up_proj.grad[1]
+        golden = {
+            "x": x, "g": g, "y": y, "router_logits": logits, "dx": x.grad,
+            "d_router": block.gate.weight.grad,
+            "d_gate": grad[:f], "d_up": grad[f:], "d_down": block.experts.down_proj.grad[1],
+        }
+        save_file({k: v.detach().contiguous().double() for k, v in golden.items()},
+                  folder / "moe_io.safetensors")
+        print(name, sorted(p.name for p in folder.iterdir()))
+
+
+if __name__ == "__main__":
+    main()
