@@ -423,7 +423,7 @@ fn capacity_drops_exactly_the_pairs_the_rule_says() {
         .map(|t| choose(&p[t * 4..t * 4 + 4], &[0.0; 4], &config))
         .collect();
     let mut load = [0usize; 4];
-    let mut admitted = vec![[false; 2]; 8];
+    let mut admitted = [[false; 2]; 8];
     for j in 0..2 {
         for t in 0..8 {
             let e = choices[t][j];
@@ -685,6 +685,9 @@ fn hugging_face_moe_layers_match_transformers() {
     }
 }
 
+/// A tensor of a file being edited: name, shape, values.
+type Named = (String, Vec<usize>, Vec<f32>);
+
 /// Edited MoE checkpoints and configs: each a typed error, never a panic.
 #[test]
 fn broken_moe_checkpoints_are_typed_errors() {
@@ -695,8 +698,8 @@ fn broken_moe_checkpoints_are_typed_errors() {
     let file = safetensors::SafeTensors::deserialize(&weights).unwrap();
     let prefix = "model.layers.1.block_sparse_moe.";
     // The file with `edit` applied to its (name → (shape, f32 values)) map.
-    let edited = |edit: &dyn Fn(&mut Vec<(String, Vec<usize>, Vec<f32>)>)| {
-        let mut tensors: Vec<(String, Vec<usize>, Vec<f32>)> = file
+    let edited = |edit: &dyn Fn(&mut Vec<Named>)| {
+        let mut tensors: Vec<Named> = file
             .tensors()
             .into_iter()
             .map(|(name, view)| {

@@ -314,7 +314,7 @@ impl MoeConfig {
                 ),
             );
         }
-        if self.n_experts % self.n_group != 0 {
+        if !self.n_experts.is_multiple_of(self.n_group) {
             return invalid(
                 "n_group",
                 format!(
