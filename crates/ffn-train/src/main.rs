@@ -487,16 +487,55 @@ fn inspect(path: &Path, all: bool) -> Result<()> {
             model.model_type(),
             model.scheme()
         );
-        let config = model.ffn_config()?;
-        println!(
-            "FFN config (from config.json), every layer:\n{}",
-            config.to_toml()
-        );
-        for layer in 0..layers {
+        // Sparse layers (a router under the block's prefix) and dense ones.
+        let moe = model.moe_config().ok();
+        let sparse: Vec<Option<String>> = (0..layers)
+            .map(|layer| moe.as_ref().and(model.moe_layer_prefix(layer).ok()))
+            .collect();
+        if sparse.iter().any(Option::is_none) {
+            let what = if moe.is_some() {
+                "dense layers"
+            } else {
+                "every layer"
+            };
             println!(
-                "layer {layer}: prefix `{}`",
-                ffn_model::printable(&model.layer_prefix(layer)?, 200)
+                "FFN config (from config.json), {what}:\n{}",
+                model.ffn_config()?.to_toml()
             );
+        }
+        if let Some(moe) = &moe {
+            println!(
+                "MoE config (from config.json), sparse layers: {} experts of d_ff {}, top-{}, \
+                 {:?} scores{}{}, {} shared expert(s)\n{}",
+                moe.n_experts,
+                moe.expert.d_ff,
+                moe.top_k,
+                moe.scoring,
+                if moe.normalize_top_k {
+                    ", renormalised"
+                } else {
+                    ""
+                },
+                if moe.n_group > 1 {
+                    format!(", {} of {} groups", moe.topk_group, moe.n_group)
+                } else {
+                    String::new()
+                },
+                moe.n_shared_experts,
+                moe.to_toml()
+            );
+        }
+        for (layer, sparse) in sparse.iter().enumerate() {
+            match sparse {
+                Some(prefix) => println!(
+                    "layer {layer}: sparse (MoE), prefix `{}`",
+                    ffn_model::printable(prefix, 200)
+                ),
+                None => println!(
+                    "layer {layer}: prefix `{}`",
+                    ffn_model::printable(&model.layer_prefix(layer)?, 200)
+                ),
+            }
         }
         model.tensors()
     } else {

@@ -355,6 +355,34 @@ fn inspect_shows_tensors_schemes_and_configs() {
     ] {
         assert!(text.contains(expected), "`{expected}` not in:\n{text}");
     }
+    // A MoE model: its dense first layer and its sparse second one.
+    let out = ffn_train(
+        &["inspect", fixtures.join("deepseek_v3").to_str().unwrap()],
+        &dir,
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    for expected in [
+        "Hugging Face `deepseek_v3` model, 2 layers",
+        "FFN config (from config.json), dense layers",
+        "sparse layers: 8 experts of d_ff 12, top-2, Sigmoid scores, renormalised, 2 of 4 groups, 1 shared expert(s)",
+        "routed_scaling = 2.5",
+        "layer 0: prefix `model.layers.0.mlp.`",
+        "layer 1: sparse (MoE), prefix `model.layers.1.mlp.`",
+    ] {
+        assert!(text.contains(expected), "`{expected}` not in:\n{text}");
+    }
+    let out = ffn_train(
+        &["inspect", fixtures.join("mixtral").to_str().unwrap()],
+        &dir,
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    assert!(!text.contains("dense layers"), "{text}");
+    assert!(
+        text.contains("layer 0: sparse (MoE), prefix `model.layers.0.block_sparse_moe.`"),
+        "{text}"
+    );
     let out = ffn_train(
         &[
             "inspect",

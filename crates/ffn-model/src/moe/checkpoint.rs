@@ -97,8 +97,10 @@ impl HfModel {
         Ok(config)
     }
 
-    /// The key prefix of layer `layer`'s sparse block.
-    fn moe_prefix(&self, layer: usize) -> Result<String, Error> {
+    /// The key prefix of layer `layer`'s sparse block (its router is `{prefix}gate.weight`); an
+    /// error for a dense layer or a model without sparse layers.
+    pub fn moe_layer_prefix(&self, layer: usize) -> Result<String, Error> {
+        self.moe_config()?;
         let layers = self.num_layers()?;
         if layer >= layers {
             return Err(Error::LayerOutOfRange { layer, layers });
@@ -126,7 +128,7 @@ impl HfModel {
     /// there with the config's shapes, and nothing else under the block's prefix.
     pub fn load_moe_layer(&mut self, layer: usize, device: &Device) -> Result<Moe, Error> {
         let config = self.moe_config()?;
-        let prefix = self.moe_prefix(layer)?;
+        let prefix = self.moe_layer_prefix(layer)?;
         let moe = config.try_init(device)?;
         let (e_count, d, f) = (config.n_experts, config.d_model(), config.expert.d_ff);
         let kind = self.model_type().to_string();
