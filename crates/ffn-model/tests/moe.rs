@@ -794,3 +794,59 @@ fn broken_moe_checkpoints_are_typed_errors() {
     let llama = HfModel::open(common::data_file("hf/llama")).unwrap();
     assert!(matches!(llama.moe_config(), Err(Error::HfConfig { .. })));
 }
+
+/// A sparse layer loaded from a `transformers` checkpoint and saved back in its model type's
+/// names holds exactly (bit for bit) the tensors `save_pretrained` wrote under its prefix;
+/// a type that cannot hold the layer is refused.
+#[test]
+fn moe_layers_save_back_to_their_checkpoint_names() {
+    use ffn_model::{Error, HfModel};
+    for (name, block) in [
+        ("mixtral", "block_sparse_moe"),
+        ("qwen2_moe", "mlp"),
+        ("qwen3_moe", "mlp"),
+        ("deepseek_v3", "mlp"),
+    ] {
+        let folder = common::data_file(&format!("hf/{name}"));
+        let moe = HfModel::open(&folder)
+            .unwrap()
+            .load_moe_layer(1, &Device::flex())
+            .unwrap();
+        let prefix = format!("model.layers.1.{block}.");
+        let saved = moe.to_safetensors_bytes_as(name, &prefix).unwrap();
+        let saved = safetensors::SafeTensors::deserialize(&saved).unwrap();
+        let original = std::fs::read(folder.join("model.safetensors")).unwrap();
+        let original = safetensors::SafeTensors::deserialize(&original).unwrap();
+        let mut expected: Vec<String> = original
+            .names()
+            .into_iter()
+            .filter(|k| k.starts_with(&prefix))
+            .map(str::to_string)
+            .collect();
+        expected.sort();
+        let mut got: Vec<String> = saved.names().into_iter().map(str::to_string).collect();
+        got.sort();
+        assert_eq!(got, expected, "{name}");
+        for key in &got {
+            let (a, b) = (saved.tensor(key).unwrap(), original.tensor(key).unwrap());
+            assert_eq!(
+                (a.shape(), a.dtype()),
+                (b.shape(), b.dtype()),
+                "{name} {key}"
+            );
+            assert!(a.data() == b.data(), "{name} {key}: values differ");
+        }
+        let other = if name == "deepseek_v3" {
+            "mixtral"
+        } else {
+            "deepseek_v3"
+        };
+        assert!(
+            matches!(
+                moe.to_safetensors_bytes_as(other, &prefix),
+                Err(Error::Scheme(_))
+            ),
+            "{name} as {other}"
+        );
+    }
+}

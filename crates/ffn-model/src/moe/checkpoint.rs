@@ -1,7 +1,8 @@
 //! # The sparse layers of Hugging Face MoE checkpoints
 //!
-//! [`HfModel::moe_config`] reads the layer's shape from `config.json`, and
-//! [`HfModel::load_moe_layer`] loads one sparse layer (router, experts, shared experts):
+//! [`HfModel::moe_config`] reads the layer's shape from `config.json`,
+//! [`HfModel::load_moe_layer`] loads one sparse layer (router, experts, shared experts), and
+//! [`Moe::save_safetensors_as`] writes one back in a model type's names:
 //!
 //! | `model_type` | layer `i` | experts | config keys |
 //! |---|---|---|---|
@@ -16,11 +17,14 @@
 //! dense layers of these models (DeepSeek's first `first_k_dense_replace`, Qwen's
 //! `mlp_only_layers`) load with [`HfModel::load_layer`].
 
-use burn::tensor::{Device, TensorData};
+use std::path::Path;
+
+use burn::module::Param;
+use burn::tensor::{Device, Tensor, TensorData};
 use serde_json::Value;
 
-use crate::host::transpose;
-use crate::safetensors::TensorFiles;
+use crate::host::{HostTensor, to_pytorch, transpose};
+use crate::safetensors::{TensorFiles, serialize};
 use crate::weights::load_param;
 use crate::{Error, HfModel, Moe, MoeConfig, Scheme, Scoring};
 
@@ -214,6 +218,139 @@ impl HfModel {
             w_down: TensorData::new(down, [e_count, f, d]),
             shared_gate: shared_gate.map(|g| transpose(&g, 1, d)),
         }))
+    }
+}
+
+impl Moe {
+    /// The bytes of a safetensors file holding this layer under `prefix` (such as
+    /// `model.layers.3.mlp.`) in the names and layout of `model_type` (`mixtral`, `qwen2_moe`,
+    /// `qwen3_moe`, `deepseek_v3`), as `save_pretrained` writes them: the router, per-expert
+    /// tensors, the shared experts and their gate, DeepSeek-V3's `e_score_correction_bias`.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Scheme`] for another model type, or a layer the type cannot hold (biases in the
+    /// experts or the router, ungated experts, shared experts where the type has none or of
+    /// another form, a missing selection bias for `deepseek_v3`).
+    pub fn to_safetensors_bytes_as(
+        &self,
+        model_type: &str,
+        prefix: &str,
+    ) -> Result<Vec<u8>, Error> {
+        let refuse = |what: &str| {
+            Err(Error::Scheme(format!(
+                "a `{model_type}` MoE layer cannot hold this layer: {what}"
+            )))
+        };
+        if !MOE_TYPES.contains(&model_type) {
+            return Err(Error::Scheme(format!(
+                "`{model_type}` is not a MoE model type; known: {}",
+                MOE_TYPES.join(", ")
+            )));
+        }
+        if self.w_gate.is_none() {
+            return refuse("its experts are ungated");
+        }
+        if self.b_gate().is_some() || self.b_up().is_some() || self.b_down().is_some() {
+            return refuse("its experts have biases");
+        }
+        if self.router.bias.is_some() {
+            return refuse("its router has a bias");
+        }
+        let deepseek = model_type == "deepseek_v3";
+        if self.selection_bias.is_some() != deepseek {
+            return refuse("the selection bias is DeepSeek-V3's only, and it needs one");
+        }
+        let shared_form = match model_type {
+            "qwen2_moe" => (true, true),
+            "deepseek_v3" => (self.shared.is_some(), false),
+            _ => (false, false),
+        };
+        if (self.shared.is_some(), self.shared_gate.is_some()) != shared_form {
+            return refuse("its shared experts (or their gate) differ from the type's");
+        }
+        let mut tensors: Vec<(String, HostTensor)> = Vec::new();
+        let mut put =
+            |name: String, tensor: HostTensor| tensors.push((format!("{prefix}{name}"), tensor));
+        put("gate.weight".into(), to_pytorch(self.router.weight.val()));
+        if let Some(bias) = &self.selection_bias {
+            put(
+                "gate.e_score_correction_bias".into(),
+                to_pytorch(bias.val()),
+            );
+        }
+        let names = match model_type {
+            "mixtral" => ["w1", "w3", "w2"],
+            _ => ["gate_proj", "up_proj", "down_proj"],
+        };
+        let stacked = [
+            self.w_gate.as_ref().expect("gated"),
+            &self.w_up,
+            &self.w_down,
+        ];
+        for e in 0..self.n_experts() {
+            for (name, param) in names.iter().zip(stacked) {
+                let matrix = |p: &Param<Tensor<3>>| p.val().narrow(0, e, 1).squeeze_dim::<2>(0);
+                put(
+                    format!("experts.{e}.{name}.weight"),
+                    to_pytorch(matrix(param)),
+                );
+            }
+        }
+        if let Some(shared) = &self.shared {
+            let Some(gate) = shared.gate().filter(|_| !shared.is_fused()) else {
+                return refuse("its shared experts are not an unfused gated network");
+            };
+            if [shared.gate(), shared.up()]
+                .iter()
+                .flatten()
+                .any(|l| l.bias.is_some())
+                || shared.down().bias.is_some()
+            {
+                return refuse("its shared experts have biases");
+            }
+            let up = shared.up().expect("unfused");
+            let stem = if deepseek {
+                "shared_experts"
+            } else {
+                "shared_expert"
+            };
+            for (name, linear) in [
+                ("gate_proj", gate),
+                ("up_proj", up),
+                ("down_proj", shared.down()),
+            ] {
+                put(
+                    format!("{stem}.{name}.weight"),
+                    to_pytorch(linear.weight.val()),
+                );
+            }
+        }
+        if let Some(gate) = &self.shared_gate {
+            put(
+                "shared_expert_gate.weight".into(),
+                to_pytorch(gate.weight.val()),
+            );
+        }
+        tensors.sort_by(|a, b| a.0.cmp(&b.0));
+        Ok(serialize(&tensors, &[]))
+    }
+
+    /// Writes [`to_safetensors_bytes_as`](Self::to_safetensors_bytes_as) to `path`
+    /// atomically (a temporary file beside it, then a rename): a failure leaves an earlier
+    /// file intact.
+    pub fn save_safetensors_as(
+        &self,
+        path: impl AsRef<Path>,
+        model_type: &str,
+        prefix: &str,
+    ) -> Result<(), Error> {
+        let path = path.as_ref();
+        let bytes = self.to_safetensors_bytes_as(model_type, prefix)?;
+        crate::files::write_atomically(path, &bytes).map_err(|source| Error::Io {
+            path: path.to_path_buf(),
+            source,
+        })
     }
 }
 
