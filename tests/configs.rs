@@ -21,11 +21,29 @@ fn configs() -> Vec<std::path::PathBuf> {
 #[test]
 fn every_shipped_config_is_valid() {
     let files = configs();
-    assert_eq!(files.len(), 5 + 8, "{files:?}");
+    assert_eq!(files.len(), 6 + 8, "{files:?}");
     for file in &files {
         let config = TrainConfig::load(file, &[]).unwrap_or_else(|e| panic!("{e}"));
         config.ffn().unwrap();
     }
+}
+
+/// `configs/moe.toml` is the default run with each FFN replaced by 8 experts of half its
+/// width, 2 per token: the same active FFN parameters per token (±1 hidden unit), 4× in all.
+#[test]
+fn the_moe_config_is_the_default_run_with_a_mixture_of_experts() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let moe = TrainConfig::load(&root.join("configs/moe.toml"), &[]).unwrap();
+    let dense = TrainConfig::load(&root.join("configs/default.toml"), &[]).unwrap();
+    assert_eq!(moe.task, dense.task);
+    assert_eq!(moe.train, dense.train);
+    assert_eq!(moe.seed, dense.seed);
+    let (experts, ffn) = (moe.moe().unwrap().unwrap(), dense.ffn().unwrap());
+    assert_eq!((experts.n_experts, experts.top_k), (8, 2));
+    assert_eq!(experts.expert.activation, ffn.activation);
+    assert!(experts.expert.gated);
+    assert!((experts.top_k * experts.expert.d_ff).abs_diff(ffn.d_ff) <= 1);
+    assert!(dense.moe().unwrap().is_none());
 }
 
 #[test]

@@ -305,6 +305,12 @@ pub struct FfnSpec {
     /// What the backward pass keeps: `"save"` (default) or `"recompute"` (less memory).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub memory: Option<Memory>,
+    /// A sparse mixture of experts in place of the FFN: the fields of a
+    /// [`MoeConfig`](ffn_model::MoeConfig) but `expert`, which is the FFN this table describes
+    /// (`moe = { n_experts = 8, top_k = 2 }`, or any other field: `capacity_factor`,
+    /// `n_shared_experts`, `scoring`, `load_balancing_coef` …).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub moe: Option<serde_json::Value>,
 }
 
 impl FfnSpec {
@@ -507,6 +513,45 @@ impl TrainConfig {
         spec.resolve(d_model, "model.ffn")
     }
 
+    /// The sparse mixture of experts of `model.ffn.moe`, its experts the resolved FFN
+    /// ([`ffn`](Self::ffn)); `None` for a dense FFN.
+    pub fn moe(&self) -> Result<Option<ffn_model::MoeConfig>> {
+        let spec = match &self.model {
+            ModelConfig::Transformer(m) => &m.ffn,
+            ModelConfig::Window(m) => &m.ffn,
+            ModelConfig::Ffn(m) => &m.ffn,
+        };
+        let Some(moe) = &spec.moe else {
+            return Ok(None);
+        };
+        let fail = |message: String| {
+            Err(Error::Ffn {
+                context: "model.ffn.moe".into(),
+                source: ffn_model::ConfigError::Parse {
+                    format: "TOML",
+                    message,
+                },
+            })
+        };
+        let Some(table) = moe.as_object() else {
+            return fail("must be a table of MoeConfig fields".into());
+        };
+        if table.contains_key("expert") {
+            return fail(
+                "`expert` is not a field here: the experts are the FFN of `model.ffn`".into(),
+            );
+        }
+        let mut table = table.clone();
+        let expert = serde_json::to_value(self.ffn()?).expect("a FeedForwardConfig serialises");
+        table.insert("expert".into(), expert);
+        ffn_model::MoeConfig::from_json(&serde_json::Value::Object(table).to_string())
+            .map(Some)
+            .map_err(|source| Error::Ffn {
+                context: "model.ffn.moe".into(),
+                source,
+            })
+    }
+
     /// Whether training draws random numbers in the forward pass (any dropout).
     pub fn uses_dropout(&self) -> bool {
         let attention = match &self.model {
@@ -534,6 +579,7 @@ impl TrainConfig {
             }
         }
         self.ffn()?;
+        self.moe()?;
         if let (TaskConfig::Teacher(t), ModelConfig::Ffn(m)) = (&self.task, &self.model)
             && let Some(spec) = &t.teacher
         {
@@ -557,6 +603,11 @@ impl TrainConfig {
         let (d_ff, ffn_params) = self
             .ffn()
             .map_or((0, 0), |f| (n(f.d_ff), n(f.num_params())));
+        // A mixture: every expert's parameters, and `top_k` experts' activations per token.
+        let (d_ff, ffn_params) = match self.moe() {
+            Ok(Some(moe)) => (d_ff.saturating_mul(n(moe.top_k)), n(moe.num_params())),
+            _ => (d_ff, ffn_params),
+        };
         let t = &self.train;
         let batch = n(t.batch_size);
         let (vocab, seq_len, source) = match &self.task {

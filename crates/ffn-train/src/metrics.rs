@@ -36,6 +36,22 @@ pub struct Record {
     /// The learning rate of the step (training records).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub lr: Option<f64>,
+    /// How the sparse layers routed the logged step's batch (training records of a model with
+    /// `model.ffn.moe`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub moe: Option<MoeLoad>,
+}
+
+/// The expert load of one step, over the sparse layers.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct MoeLoad {
+    /// The busiest expert's pairs over the mean (1 when balanced; the largest over the layers).
+    pub load_max_over_mean: f64,
+    /// The coefficient of variation of the experts' pairs (0 when balanced; the largest over
+    /// the layers).
+    pub load_cv: f64,
+    /// The fraction of token–expert pairs dropped by capacity (mean over the layers).
+    pub dropped_fraction: f64,
 }
 
 /// The wall clock at one logged moment, a line of `timing.jsonl`.

@@ -8,16 +8,72 @@
 //!   embeddings of the last `window` tokens, concatenated and projected to `d_model`, then
 //!   `x + FFN(LN(x))` and a linear head.
 //! - For regression, the [`FeedForward`] itself.
+//!
+//! Each of them can hold a sparse mixture of experts ([`Moe`]) in place of the
+//! [`FeedForward`] (`model.ffn.moe`): see [`Mlp`]. Its auxiliary losses are added to the
+//! training loss ([`Model::loss_with_aux`]), never to the reported or validation loss.
 
 use burn::module::{Flag, Module, ModuleMapper, Param, ParamId};
 use burn::nn::attention::{MhaInput, MultiHeadAttention, MultiHeadAttentionConfig};
 use burn::nn::{Embedding, EmbeddingConfig, LayerNorm, LayerNormConfig, Linear, LinearConfig};
 use burn::tensor::{Bool, Device, Int, Tensor};
-use ffn_model::{FeedForward, FeedForwardConfig};
+use ffn_model::{FeedForward, FeedForwardConfig, Moe};
 
 use crate::config::{ModelConfig, TaskConfig, TrainConfig};
 use crate::data::Batch;
 use crate::{Error, Result};
+
+/// The feed-forward layer of a model: dense, or a sparse mixture of experts.
+#[derive(Module, Debug)]
+#[allow(clippy::large_enum_variant)] // a few per model
+pub enum Mlp {
+    /// One [`FeedForward`].
+    Dense(FeedForward),
+    /// A [`Moe`] of FeedForward experts.
+    Sparse(Moe),
+}
+
+/// What the sparse layers of one forward pass report, in layer order.
+#[derive(Debug, Default)]
+pub struct Aux {
+    /// The sum of their auxiliary losses (`None` without sparse layers).
+    pub loss: Option<Tensor<1>>,
+    /// Each layer's token–expert pairs per expert.
+    pub loads: Vec<Vec<usize>>,
+    /// Each layer's fraction of pairs dropped by capacity.
+    pub dropped: Vec<f64>,
+}
+
+impl Mlp {
+    /// The layer's output, its auxiliary loss and load noted in `aux`.
+    fn forward<const D: usize>(&self, x: Tensor<D>, aux: &mut Aux) -> Tensor<D> {
+        match self {
+            Mlp::Dense(ffn) => ffn.forward(x),
+            Mlp::Sparse(moe) => {
+                let out = moe.forward(x);
+                aux.loss = Some(match aux.loss.take() {
+                    Some(sum) => sum + out.aux_loss,
+                    None => out.aux_loss,
+                });
+                aux.loads.push(out.tokens_per_expert);
+                aux.dropped.push(out.dropped_fraction);
+                out.output
+            }
+        }
+    }
+
+    /// The aux-loss-free balancing update of a sparse layer with a selection bias, from the
+    /// next of `loads` (one per sparse layer, in order).
+    fn update_selection_bias<'a>(self, loads: &mut impl Iterator<Item = &'a Vec<usize>>) -> Self {
+        match self {
+            Mlp::Sparse(moe) => match loads.next() {
+                Some(load) => Mlp::Sparse(moe.update_selection_bias(load)),
+                None => Mlp::Sparse(moe),
+            },
+            dense => dense,
+        }
+    }
+}
 
 /// A pre-norm transformer block.
 #[derive(Module, Debug)]
@@ -25,17 +81,17 @@ pub struct Block {
     norm_attention: LayerNorm,
     attention: MultiHeadAttention,
     norm_ffn: LayerNorm,
-    ffn: FeedForward,
+    ffn: Mlp,
 }
 
 impl Block {
     /// `x ← x + Attention(LN(x))`, then `x ← x + FFN(LN(x))`.
-    fn forward(&self, x: Tensor<3>, causal: &Causal) -> Tensor<3> {
+    fn forward(&self, x: Tensor<3>, causal: &Causal, aux: &mut Aux) -> Tensor<3> {
         let h = self.norm_attention.forward(x.clone());
         let attended = self.attend(h, causal);
         let x = x + attended;
         let h = self.norm_ffn.forward(x.clone());
-        x + self.ffn.forward(h)
+        x + self.ffn.forward(h, aux)
     }
 }
 
@@ -108,6 +164,11 @@ pub struct TransformerLm {
 impl TransformerLm {
     /// Logits `[batch, seq, vocab]` of the next token after each prefix of `tokens` `[batch, seq]`.
     pub fn forward(&self, tokens: Tensor<2, Int>) -> Tensor<3> {
+        self.forward_aux(tokens, &mut Aux::default())
+    }
+
+    /// [`forward`](Self::forward), noting what sparse layers report in `aux`.
+    pub fn forward_aux(&self, tokens: Tensor<2, Int>, aux: &mut Aux) -> Tensor<3> {
         let [batch, seq] = tokens.dims();
         let device = tokens.device();
         let positions = Tensor::<1, Int>::arange(0..seq as i64, &device).reshape([1, seq]);
@@ -119,7 +180,7 @@ impl TransformerLm {
             mask: Default::default(),
         };
         for block in &self.blocks {
-            x = block.forward(x, &causal);
+            x = block.forward(x, &causal, aux);
         }
         self.head.forward(self.norm.forward(x))
     }
@@ -132,7 +193,7 @@ pub struct WindowLm {
     embedding: Embedding,
     input: Linear,
     norm: LayerNorm,
-    ffn: FeedForward,
+    ffn: Mlp,
     head: Linear,
     #[module(skip)]
     window: usize,
@@ -141,6 +202,11 @@ pub struct WindowLm {
 impl WindowLm {
     /// Logits `[batch, seq, vocab]` from the last `window` tokens at each position.
     pub fn forward(&self, tokens: Tensor<2, Int>) -> Tensor<3> {
+        self.forward_aux(tokens, &mut Aux::default())
+    }
+
+    /// [`forward`](Self::forward), noting what a sparse layer reports in `aux`.
+    pub fn forward_aux(&self, tokens: Tensor<2, Int>, aux: &mut Aux) -> Tensor<3> {
         let [batch, seq] = tokens.dims();
         let w = self.window;
         let pad_id = self.embedding.weight.lazy_shape().dims::<2>()[0] as i64 - 1;
@@ -154,7 +220,7 @@ impl WindowLm {
             })
             .collect();
         let x = self.input.forward(Tensor::cat(columns, 2));
-        let x = x.clone() + self.ffn.forward(self.norm.forward(x));
+        let x = x.clone() + self.ffn.forward(self.norm.forward(x), aux);
         self.head.forward(x)
     }
 }
@@ -208,7 +274,7 @@ pub enum Model {
     /// An FFN-only language model.
     Window(WindowLm),
     /// A bare FFN (regression).
-    Ffn(FeedForward),
+    Ffn(Mlp),
 }
 
 impl Model {
@@ -221,9 +287,19 @@ impl Model {
         vocab_size: usize,
         device: &Device,
     ) -> Result<Self> {
+        let moe = config.moe()?;
         let ffn = || {
-            ffn_config.try_init(device).map_err(|source| Error::Ffn {
-                context: "model.ffn".into(),
+            match &moe {
+                Some(moe) => moe.try_init(device).map(Mlp::Sparse),
+                None => ffn_config.try_init(device).map(Mlp::Dense),
+            }
+            .map_err(|source| Error::Ffn {
+                context: if moe.is_some() {
+                    "model.ffn.moe"
+                } else {
+                    "model.ffn"
+                }
+                .into(),
                 source,
             })
         };
@@ -290,10 +366,22 @@ impl Model {
     ///
     /// If the batch does not fit the model (a language batch for a regression model).
     pub fn loss(&self, batch: &Batch) -> Tensor<1> {
-        match (self, batch) {
-            (Model::Ffn(ffn), Batch::Pairs { x, y }) => {
-                (ffn.forward(x.clone()) - y.clone()).powi_scalar(2).mean()
-            }
+        self.loss_with_aux(batch).0
+    }
+
+    /// [`loss`](Self::loss), and what the sparse layers report: their auxiliary losses, for
+    /// the training loss `loss + aux.loss`, and their loads.
+    ///
+    /// # Panics
+    ///
+    /// If the batch does not fit the model.
+    pub fn loss_with_aux(&self, batch: &Batch) -> (Tensor<1>, Aux) {
+        let mut aux = Aux::default();
+        let loss = match (self, batch) {
+            (Model::Ffn(ffn), Batch::Pairs { x, y }) => (ffn.forward(x.clone(), &mut aux)
+                - y.clone())
+            .powi_scalar(2)
+            .mean(),
             (model, Batch::Tokens(tokens)) => {
                 let [batch, len] = tokens.dims();
                 let seq = len - 1;
@@ -302,11 +390,40 @@ impl Model {
                     .clone()
                     .slice([0..batch, 1..len])
                     .reshape([batch * seq]);
-                let logits = model.logits(inputs).expect("a language model");
+                let logits = match model {
+                    Model::Transformer(m) => m.forward_aux(inputs, &mut aux),
+                    Model::Window(m) => m.forward_aux(inputs, &mut aux),
+                    Model::Ffn(_) => panic!("a language batch for a regression model"),
+                };
                 let vocab = logits.dims()[2];
                 crate::loss::cross_entropy(logits.reshape([batch * seq, vocab]), targets)
             }
             _ => panic!("the batch does not match the model"),
+        };
+        (loss, aux)
+    }
+
+    /// The aux-loss-free balancing update of every sparse layer with a selection bias
+    /// (DeepSeek-V3), from each sparse layer's load of the step (`Aux::loads`, in order).
+    pub fn update_selection_bias(self, loads: &[Vec<usize>]) -> Self {
+        let mut loads = loads.iter();
+        match self {
+            Model::Transformer(mut m) => {
+                m.blocks = m
+                    .blocks
+                    .into_iter()
+                    .map(|mut b| {
+                        b.ffn = b.ffn.update_selection_bias(&mut loads);
+                        b
+                    })
+                    .collect();
+                Model::Transformer(m)
+            }
+            Model::Window(mut m) => {
+                m.ffn = m.ffn.update_selection_bias(&mut loads);
+                Model::Window(m)
+            }
+            Model::Ffn(ffn) => Model::Ffn(ffn.update_selection_bias(&mut loads)),
         }
     }
 }

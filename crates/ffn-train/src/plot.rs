@@ -482,6 +482,7 @@ mod tests {
     #[test]
     fn plots_every_series() {
         let rec = |step, kind: &str, loss| Record {
+            moe: None,
             step,
             kind: kind.into(),
             loss,
@@ -506,6 +507,7 @@ mod tests {
     #[test]
     fn the_gap_plot_is_logarithmic() {
         let rec = |step, kind: &str, gap: f64| Record {
+            moe: None,
             step,
             kind: kind.into(),
             loss: 1.0 + gap,

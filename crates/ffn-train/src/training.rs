@@ -34,7 +34,7 @@ use rayon::prelude::*;
 use crate::checkpoint::{self, RngState, State};
 use crate::config::{ModelConfig, TaskConfig, TrainConfig, TrainSettings};
 use crate::data::{Batch, Language, Task, Vocab};
-use crate::metrics::{self, Metrics, Progress, Record, Summary, Timing};
+use crate::metrics::{self, Metrics, MoeLoad, Progress, Record, Summary, Timing};
 use crate::model::Model;
 use crate::rng::Rng;
 use crate::run;
@@ -212,38 +212,49 @@ pub fn loss_and_gradients(
     batch: &Batch,
     shards: usize,
     masks: Masks,
-) -> (f64, GradientsParams) {
+) -> (f64, GradientsParams, Routing) {
     let n = batch.len().max(1) as f64;
     let parts = batch.split(shards);
-    // Shard `i`'s forward pass, in its dropout stream.
-    let forward = |copy: &Model, part: &Batch, i: usize| match masks {
-        Masks::PerShard(seed) => {
-            let seed = Rng::derive_seed(seed, "shard", i as u64);
-            ffn_model::dropout::with_seed(seed, || copy.loss(part))
-        }
-        Masks::None | Masks::Device => copy.loss(part),
+    // Shard `i`'s forward pass, in its dropout stream: its loss, and the loss it trains on
+    // (with the sparse layers' auxiliary losses), both weighted by its share of the batch.
+    let forward = |copy: &Model, part: &Batch, i: usize, weight: f64| {
+        let (loss, aux) = match masks {
+            Masks::PerShard(seed) => {
+                let seed = Rng::derive_seed(seed, "shard", i as u64);
+                ffn_model::dropout::with_seed(seed, || copy.loss_with_aux(part))
+            }
+            Masks::None | Masks::Device => copy.loss_with_aux(part),
+        };
+        let loss = loss * weight;
+        let objective = match &aux.loss {
+            Some(extra) => loss.clone() + extra.clone() * weight,
+            None => loss.clone(),
+        };
+        (loss, objective, Routing::of(aux, weight))
+    };
+    let backward = |copy: &Model, (loss, objective, routing): (Tensor<1>, Tensor<1>, Routing)| {
+        let value = loss.into_scalar::<f64>();
+        (
+            value,
+            GradientsParams::from_grads(objective.backward(), copy),
+            routing,
+        )
     };
     if parts.len() == 1 {
         // One shard (a GPU, or `train.shards = 1`): the device's stream, where the masks are
         // drawn on the device.
-        let loss = model.loss(batch);
-        let value = loss.clone().into_scalar::<f64>();
-        return (value, GradientsParams::from_grads(loss.backward(), model));
+        return backward(model, forward(model, batch, 0, 1.0));
     }
     let copies: Vec<Model> = parts
         .iter()
         .map(|_| model.clone().map(&mut Leaves))
         .collect();
-    let backward = |copy: &Model, loss: Tensor<1>| {
-        let value = loss.clone().into_scalar::<f64>();
-        (value, GradientsParams::from_grads(loss.backward(), copy))
-    };
-    let results: Vec<(f64, GradientsParams)> = if matches!(masks, Masks::Device) {
-        let losses: Vec<Tensor<1>> = copies
+    let results: Vec<(f64, GradientsParams, Routing)> = if matches!(masks, Masks::Device) {
+        let losses: Vec<_> = copies
             .iter()
             .zip(&parts)
             .enumerate()
-            .map(|(i, (copy, part))| forward(copy, part, i) * (part.len() as f64 / n))
+            .map(|(i, (copy, part))| forward(copy, part, i, part.len() as f64 / n))
             .collect();
         copies
             .into_par_iter()
@@ -258,21 +269,74 @@ pub fn loss_and_gradients(
             .enumerate()
             .with_max_len(1)
             .map(|(i, (copy, part))| {
-                let loss = forward(&copy, &part, i) * (part.len() as f64 / n);
-                backward(&copy, loss)
+                let weight = part.len() as f64 / n;
+                backward(&copy, forward(&copy, &part, i, weight))
             })
             .collect()
     };
     let mut results = results.into_iter();
-    let (mut loss, mut grads) = results.next().expect("at least one shard");
-    for (value, from) in results {
+    let (mut loss, mut grads, mut routing) = results.next().expect("at least one shard");
+    for (value, from, shard) in results {
         loss += value;
+        routing.add(shard);
         model.visit(&mut Accumulate {
             into: &mut grads,
             from,
         });
     }
-    (loss, grads)
+    (loss, grads, routing)
+}
+
+/// How the sparse layers routed one step's batch, in layer order (empty without them).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Routing {
+    /// Each layer's token–expert pairs per expert, summed over the shards.
+    pub loads: Vec<Vec<usize>>,
+    /// Each layer's fraction of pairs dropped by capacity, over the batch.
+    pub dropped: Vec<f64>,
+}
+
+impl Routing {
+    /// A shard's routing, its dropped fractions weighted by its share of the batch.
+    fn of(aux: crate::model::Aux, weight: f64) -> Self {
+        Self {
+            loads: aux.loads,
+            dropped: aux.dropped.into_iter().map(|d| d * weight).collect(),
+        }
+    }
+
+    fn add(&mut self, other: Routing) {
+        for (mine, theirs) in self.loads.iter_mut().zip(other.loads) {
+            for (a, b) in mine.iter_mut().zip(theirs) {
+                *a += b;
+            }
+        }
+        for (a, b) in self.dropped.iter_mut().zip(other.dropped) {
+            *a += b;
+        }
+    }
+
+    /// Over all sparse layers: the largest expert load over the mean load (1 when balanced),
+    /// the loads' coefficient of variation (0 when balanced), and the mean dropped fraction;
+    /// `None` without sparse layers.
+    pub fn summary(&self) -> Option<(f64, f64, f64)> {
+        if self.loads.is_empty() {
+            return None;
+        }
+        let (mut max_over_mean, mut cv) = (0f64, 0f64);
+        for load in &self.loads {
+            let n = load.len().max(1) as f64;
+            let mean = load.iter().sum::<usize>() as f64 / n;
+            let max = load.iter().copied().max().unwrap_or(0) as f64;
+            let var = load.iter().map(|&l| (l as f64 - mean).powi(2)).sum::<f64>() / n;
+            if mean > 0.0 {
+                max_over_mean = max_over_mean.max(max / mean);
+                cv = cv.max(var.sqrt() / mean);
+            }
+        }
+        let dropped = self.dropped.iter().sum::<f64>() / self.dropped.len() as f64;
+        Some((max_over_mean, cv, dropped))
+    }
 }
 
 /// The mean loss of a model over batches (validation mode, no autodiff).
@@ -787,7 +851,8 @@ impl Trainer {
                 .task
                 .train_batch(seed, step, t.batch_size, &self.device);
             let masks = Masks::of(&self.config, seed, step);
-            let (value, mut grads) = loss_and_gradients(&self.model, &batch, shards, masks);
+            let (value, mut grads, routing) =
+                loss_and_gradients(&self.model, &batch, shards, masks);
             if !value.is_finite() {
                 progress.finish();
                 return Err(Error::Diverged {
@@ -799,6 +864,9 @@ impl Trainer {
             clip_global_norm(&self.model, &mut grads, t.grad_clip);
             let lr = learning_rate(&t, step);
             self.model = self.optim.step(lr, self.model.clone(), grads);
+            if !routing.loads.is_empty() {
+                self.model = self.model.clone().update_selection_bias(&routing.loads);
+            }
 
             self.state.step += 1;
             self.state.rng.next_step = self.state.step;
@@ -819,6 +887,11 @@ impl Trainer {
                     loss: mean,
                     gap: optimum.map(|o| mean - o),
                     lr: Some(lr),
+                    moe: routing.summary().map(|(max, cv, dropped)| MoeLoad {
+                        load_max_over_mean: max,
+                        load_cv: cv,
+                        dropped_fraction: dropped,
+                    }),
                 })?;
                 self.metrics.time(&Timing {
                     step: done,
@@ -838,6 +911,7 @@ impl Trainer {
                     loss: valid,
                     gap: optimum.map(|o| valid - o),
                     lr: None,
+                    moe: None,
                 })?;
                 self.metrics.time(&Timing {
                     step: done,
@@ -1048,7 +1122,7 @@ mod tests {
                 [3, 3, 4]
             );
             let summary = |shards: usize, masks: Masks| {
-                let (loss, grads) = loss_and_gradients(&model, &batch, shards, masks);
+                let (loss, grads, _) = loss_and_gradients(&model, &batch, shards, masks);
                 let mut s = Summary(&grads, Vec::new());
                 model.visit(&mut s);
                 (loss, s.1)

@@ -19,12 +19,67 @@ fn a_resumed_teacher_student_run_equals_the_uninterrupted_run() {
     resumes_exactly(TINY_TEACHER, "resume-teacher");
 }
 
+/// A DeepSeek-style mixture of experts in place of the FFN: the selection bias, moved after
+/// every step by the expert loads, is part of the checkpoint, so a resumed run routes as the
+/// uninterrupted one. Capacity drops pairs, and every training record logs the load.
+#[test]
+fn a_resumed_mixture_of_experts_run_equals_the_uninterrupted_run() {
+    let moe = "model.ffn.moe={ n_experts = 4, top_k = 2, scoring = \"sigmoid\", n_group = 2, \
+               topk_group = 1, selection_bias = true, bias_update_rate = 0.01, \
+               n_shared_experts = 1, capacity_factor = 0.75 }";
+    let overrides = ["model.ffn.dropout=0", "model.ffn.d_ff=12", moe];
+    resumes_exactly_with(TINY_LM, "resume-moe", &overrides, &|full| {
+        let records = ffn_train::metrics::read_records(&full.join("metrics.jsonl")).unwrap();
+        let train: Vec<_> = records.iter().filter(|r| r.kind == "train").collect();
+        assert!(
+            train.iter().all(|r| r.moe.is_some()),
+            "every training record logs the load"
+        );
+        assert!(train.iter().any(|r| r.moe.unwrap().dropped_fraction > 0.0));
+        assert!(
+            records
+                .iter()
+                .filter(|r| r.kind == "valid")
+                .all(|r| r.moe.is_none())
+        );
+    });
+
+    // Configs the layer cannot take are refused, naming the table.
+    for bad in [
+        "model.ffn.moe={ n_experts = 4, top_k = 5 }",
+        "model.ffn.moe={ n_experts = 4, top_k = 2, expert = {} }",
+        "model.ffn.moe={ n_experts = 4, top_k = 2, capacity_factor = -1.0 }",
+        "model.ffn.moe=3",
+    ] {
+        let overrides = ["model.ffn.dropout=0".to_string(), bad.to_string()];
+        let error = TrainConfig::from_toml(TINY_LM, &overrides).unwrap_err();
+        assert!(
+            error.to_string().contains("model.ffn.moe"),
+            "{bad}: {error}"
+        );
+    }
+    let error = TrainConfig::from_toml(TINY_LM, &[moe.to_string()]).unwrap_err();
+    assert!(error.to_string().contains("expert.dropout"), "{error}");
+}
+
 /// Runs `config` for 60 steps, then again from copies cut back to steps 20, 30 and 50 with
 /// `Trainer::resume`: every loss record is the same.
 fn resumes_exactly(config: &str, name: &str) {
+    resumes_exactly_with(config, name, &[], &|_| {});
+}
+
+/// [`resumes_exactly`] with `--set`-style overrides, and `check` run on the uninterrupted
+/// run's folder.
+fn resumes_exactly_with(
+    config: &str,
+    name: &str,
+    overrides: &[&str],
+    check: &dyn Fn(&std::path::Path),
+) {
     let _serial = serial();
     let dir = scratch(name);
-    let config = TrainConfig::from_toml(config, &[]).unwrap();
+    let overrides: Vec<String> = overrides.iter().map(|s| s.to_string()).collect();
+    let config = TrainConfig::from_toml(config, &overrides).unwrap();
     let full = dir.join("full");
     let summary = Trainer::start(config, &full, &device())
         .unwrap()
@@ -56,6 +111,7 @@ fn resumes_exactly(config: &str, name: &str) {
         trainer.run(&Progress::Silent).unwrap();
         assert_eq!(losses(&partial), expected, "resumed at step {cut}");
     }
+    check(&full);
 }
 
 /// 20 steps of the tiny language model with `overrides`, in `folder`: its loss records.
