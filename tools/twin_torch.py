@@ -161,6 +161,9 @@ def main():
     task, m, t = config["task"], config["model"], config["train"]
     if task.get("kind") not in ("markov", "text"):
         sys.exit(f"twin_torch: language-model runs only (task.kind = {task.get('kind')!r})")
+    if "moe" in m.get("ffn", {}):
+        sys.exit("twin_torch: runs with model.ffn.moe have no twin (tools/bench_moe.py compares "
+                 "the MoE layer with transformers)")
     vocab = task.get("vocab_size") or len(json.load(open(os.path.join(a.run, "vocab.json"))))
     seq, batch = task["seq_len"], t["batch_size"]
     if m["kind"] == "transformer":
