@@ -173,6 +173,27 @@ pub(crate) struct Weights<B: Backend> {
     pub mask: Option<FloatTensor<B>>,
 }
 
+impl<B: Backend> Weights<B> {
+    /// The weights as an op's entry point receives them.
+    pub(crate) fn new(
+        w_gate: Maybe<B>,
+        w_up: FloatTensor<B>,
+        w_down: FloatTensor<B>,
+        [b_gate, b_up, b_down]: [Maybe<B>; 3],
+        mask: Maybe<B>,
+    ) -> Self {
+        Self {
+            w_gate: w_gate.into_option(),
+            w_up,
+            w_down,
+            b_gate: b_gate.into_option(),
+            b_up: b_up.into_option(),
+            b_down: b_down.into_option(),
+            mask: mask.into_option(),
+        }
+    }
+}
+
 impl<B: Backend> Clone for Weights<B> {
     fn clone(&self) -> Self {
         Self {
@@ -368,15 +389,7 @@ macro_rules! inference_impl {
                 mask: Maybe<Self>,
                 spec: Spec,
             ) -> FloatTensor<Self> {
-                let w = Weights {
-                    w_gate: w_gate.into_option(),
-                    w_up,
-                    w_down,
-                    b_gate: b_gate.into_option(),
-                    b_up: b_up.into_option(),
-                    b_down: b_down.into_option(),
-                    mask: mask.into_option(),
-                };
+                let w = Weights::new(w_gate, w_up, w_down, [b_gate, b_up, b_down], mask);
                 inference::<Self>(x, w, spec)
             }
         }
@@ -705,15 +718,7 @@ impl<B: Kernels, C: CheckpointStrategy> FfnOps for Autodiff<B, C> {
         mask: Maybe<Self>,
         spec: Spec,
     ) -> FloatTensor<Self> {
-        let w = Weights {
-            w_gate: w_gate.into_option(),
-            w_up,
-            w_down,
-            b_gate: b_gate.into_option(),
-            b_up: b_up.into_option(),
-            b_down: b_down.into_option(),
-            mask: mask.into_option(),
-        };
+        let w = Weights::new(w_gate, w_up, w_down, [b_gate, b_up, b_down], mask);
         let (x, w, nodes, present) = untrack::<B, C>(x, w);
         match nodes.len() {
             3 => tracked::<B, C, 3>(nodes, x, w, spec, present),

@@ -9,41 +9,13 @@
 
 mod common;
 
-use burn::module::{Module, ModuleMapper, Param};
+use burn::module::Module;
 use burn::tensor::{DType, Tensor, TensorData};
-use common::{Cast, Rng, device, strip_metadata};
+use common::{Cast, Perturb, Rng, device, strip_metadata};
 use ffn_model::{Activation, FeedForward, FeedForwardConfig, Memory};
 
 const EPS: f64 = 1e-6;
 const TOLERANCE: f64 = 1e-6;
-
-/// Adds `delta` to the parameter at `target` (a record path such as `gate.weight`).
-struct Perturb {
-    path: Vec<String>,
-    target: String,
-    delta: TensorData,
-}
-
-impl ModuleMapper for Perturb {
-    fn enter_module(&mut self, name: &str, _: &str) {
-        self.path.push(name.to_string());
-    }
-
-    fn exit_module(&mut self, _: &str, _: &str) {
-        self.path.pop();
-    }
-
-    fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
-        if self.path.join(".") != self.target {
-            return param;
-        }
-        let delta = self.delta.clone();
-        param.map(|t| {
-            let delta = Tensor::from_data(delta, (&t.device(), DType::F64));
-            t + delta
-        })
-    }
-}
 
 fn loss(ffn: &FeedForward, x: Tensor<3>) -> Tensor<1> {
     let y = ffn.forward(x);

@@ -10,10 +10,10 @@
 
 mod common;
 
-use burn::module::{Module, ModuleMapper, Param};
+use burn::module::{Module, Param};
 use burn::tensor::activation::{sigmoid, softmax};
 use burn::tensor::{DType, Device, Tensor, TensorData};
-use common::{Cast, Rng, device, property};
+use common::{Cast, Perturb, Rng, device, property};
 use ffn_model::{Activation, ConfigError, FeedForwardConfig, Memory, Moe, MoeConfig, Scoring};
 
 const D: usize = 6;
@@ -255,35 +255,6 @@ fn the_layer_equals_a_dense_reference() {
         for stacked in ["w_up", "w_down"] {
             assert!(got.iter().any(|(n, _)| n == stacked), "{name}: {stacked}");
         }
-    }
-}
-
-/// Adds `delta` to the parameter at `target` (a record path).
-struct Perturb {
-    path: Vec<String>,
-    target: String,
-    delta: TensorData,
-}
-
-impl ModuleMapper for Perturb {
-    fn enter_module(&mut self, name: &str, _: &str) {
-        self.path.push(name.to_string());
-    }
-
-    fn exit_module(&mut self, _: &str, _: &str) {
-        self.path.pop();
-    }
-
-    fn map_float<const R: usize>(&mut self, param: Param<Tensor<R>>) -> Param<Tensor<R>> {
-        if self.path.join(".") != self.target {
-            return param;
-        }
-        let delta = self.delta.clone();
-        param.map(|t| {
-            let delta = TensorData::new(delta.iter::<f64>().collect::<Vec<_>>(), t.dims().to_vec());
-            let delta = Tensor::from_data(delta, (&t.device(), DType::F64));
-            t + delta
-        })
     }
 }
 

@@ -160,15 +160,8 @@ macro_rules! inference_impl {
                 groups: Groups,
                 spec: Spec,
             ) -> FloatTensor<Self> {
-                let w = Weights {
-                    w_gate: w_gate.into_option(),
-                    w_up,
-                    w_down,
-                    b_gate: b_gate.into_option(),
-                    b_up: b_up.into_option(),
-                    b_down: b_down.into_option(),
-                    mask: None,
-                };
+                let biases = [b_gate, b_up, b_down];
+                let w = Weights::new(w_gate, w_up, w_down, biases, Maybe::Absent);
                 grouped_inference::<Self>(x, w, &groups, spec)
             }
         }
@@ -346,15 +339,7 @@ impl<B: Kernels, C: CheckpointStrategy> ExpertOps for Autodiff<B, C> {
         groups: Groups,
         spec: Spec,
     ) -> FloatTensor<Self> {
-        let w = Weights {
-            w_gate: w_gate.into_option(),
-            w_up,
-            w_down,
-            b_gate: b_gate.into_option(),
-            b_up: b_up.into_option(),
-            b_down: b_down.into_option(),
-            mask: None,
-        };
+        let w = Weights::new(w_gate, w_up, w_down, [b_gate, b_up, b_down], Maybe::Absent);
         let (x, w, nodes, present) = untrack::<B, C>(x, w);
         match nodes.len() {
             3 => tracked::<B, C, 3>(nodes, x, w, groups, spec, present),

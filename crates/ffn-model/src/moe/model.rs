@@ -407,9 +407,7 @@ impl Moe {
         let step = Tensor::<1>::from_data(TensorData::new(step, [load.len()]), &value.device())
             .cast(value.dtype());
         let updated = (value + step).detach();
-        let mut param = Param::initialized(id, updated).set_require_grad(false);
-        param.id = id;
-        self.selection_bias = Some(param);
+        self.selection_bias = Some(Param::initialized(id, updated).set_require_grad(false));
         self
     }
 

@@ -63,6 +63,36 @@ impl ModuleMapper for Cast {
     }
 }
 
+/// Adds `delta` (f64, any shape with the parameter's number of values) to the parameter at
+/// `target`, a record path such as `gate.weight` or `router.weight`: finite differences.
+pub struct Perturb {
+    pub path: Vec<String>,
+    pub target: String,
+    pub delta: TensorData,
+}
+
+impl ModuleMapper for Perturb {
+    fn enter_module(&mut self, name: &str, _: &str) {
+        self.path.push(name.to_string());
+    }
+
+    fn exit_module(&mut self, _: &str, _: &str) {
+        self.path.pop();
+    }
+
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        if self.path.join(".") != self.target {
+            return param;
+        }
+        let values: Vec<f64> = self.delta.iter::<f64>().collect();
+        param.map(|t| {
+            let delta = TensorData::new(values, t.dims().to_vec());
+            let delta = Tensor::from_data(delta, (&t.device(), DType::F64));
+            t + delta
+        })
+    }
+}
+
 /// The same safetensors file without its header metadata.
 pub fn strip_metadata(bytes: &[u8]) -> Vec<u8> {
     let file = SafeTensors::deserialize(bytes).unwrap();
