@@ -30,6 +30,11 @@
 //!
 //! Weights load from and save to safetensors files with PyTorch names and layout
 //! ([`FeedForward::load_safetensors`], [`FeedForward::save_safetensors`]).
+//!
+//! [`Moe`] ([`MoeConfig`]) is the sparse form of the same layer: a mixture of FeedForward
+//! experts behind a router (top-k, groups, shared experts, capacity, balancing losses), whose
+//! layers load from and save to Mixtral, Qwen-MoE and DeepSeek-V3 checkpoints
+//! ([`HfModel::load_moe_layer`]).
 
 mod activation;
 #[cfg(feature = "flex")]

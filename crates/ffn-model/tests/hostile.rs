@@ -319,6 +319,53 @@ fn mutated_model_folders_never_panic() {
     });
 }
 
+/// MoE checkpoints (Mixtral, Qwen2-MoE, DeepSeek-V3) with mutated `config.json` and weight
+/// bytes: reading the config, loading a sparse layer, running and saving it never panic.
+#[test]
+fn mutated_moe_folders_never_panic() {
+    let bases: Vec<(&str, String, Vec<u8>)> = ["mixtral", "qwen2_moe", "deepseek_v3"]
+        .iter()
+        .map(|name| {
+            let base = data_file(&format!("hf/{name}"));
+            (
+                *name,
+                std::fs::read_to_string(base.join("config.json")).unwrap(),
+                std::fs::read(base.join("model.safetensors")).unwrap(),
+            )
+        })
+        .collect();
+    let dir = model_folder("fuzz-moe", &bases[0].1, &[]);
+    let device = device();
+    let mut loaded = 0;
+    property("MoE folder mutations", 0x30E5, 900, |rng| {
+        let (name, config, weights) = &bases[rng.below(bases.len())];
+        let config = if rng.below(3) == 0 {
+            config.as_bytes().to_vec()
+        } else {
+            mutate_json(rng, config)
+        };
+        std::fs::write(dir.join("config.json"), config).unwrap();
+        let weights = if rng.below(2) == 0 {
+            mutate(rng, weights)
+        } else {
+            weights.clone()
+        };
+        std::fs::write(dir.join("model.safetensors"), weights).unwrap();
+        if let Ok(mut model) = HfModel::open(&dir) {
+            let _ = model.moe_config();
+            let layer = rng.below(3);
+            let _ = model.moe_layer_prefix(layer);
+            if let Ok(moe) = model.load_moe_layer(layer, &device) {
+                loaded += 1;
+                let x = burn::tensor::Tensor::<2>::ones([3, moe.d_model()], &device);
+                let _ = moe.forward(x);
+                let _ = moe.to_safetensors_bytes_as(name, "p.");
+            }
+        }
+    });
+    assert!(loaded > 0, "some mutations still load");
+}
+
 /// One mutation of a JSON text: a value replaced by a hostile one, or bytes flipped.
 fn mutate_json(rng: &mut Rng, text: &str) -> Vec<u8> {
     let values = [

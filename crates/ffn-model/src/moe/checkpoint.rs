@@ -133,7 +133,8 @@ impl HfModel {
     pub fn load_moe_layer(&mut self, layer: usize, device: &Device) -> Result<Moe, Error> {
         let config = self.moe_config()?;
         let prefix = self.moe_layer_prefix(layer)?;
-        let moe = config.try_init(device)?;
+        // Every tensor is read (and its shape checked against config.json) before the layer
+        // is built: a config whose sizes disagree with the file allocates nothing.
         let (e_count, d, f) = (config.n_experts, config.d_model(), config.expert.d_ff);
         let kind = self.model_type().to_string();
         let mut reader = Reader {
@@ -205,7 +206,7 @@ impl HfModel {
                 hint: format!(" (the layer has {e_count} experts of [{f}, {d}] and no biases)"),
             });
         }
-        let mut moe = moe;
+        let mut moe = config.try_init(device)?;
         if let (Some(p), Some(shared)) = (&shared_prefix, moe.shared.take()) {
             moe.shared = Some(shared.load_from(files, Scheme::Llama, p)?);
         }
