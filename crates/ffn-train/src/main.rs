@@ -641,10 +641,15 @@ fn report(run: &Path, s: Summary) -> Result<()> {
         s.tokens_per_s,
     );
     println!(
-        "wrote {0}/summary.json, {0}/metrics.jsonl, {0}/metrics.csv, {0}/timing.jsonl, {0}/loss.svg{1}, {0}/checkpoints/",
+        "wrote {0}/summary.json, {0}/metrics.jsonl, {0}/metrics.csv, {0}/timing.jsonl, {0}/loss.svg{1}{2}, {0}/checkpoints/",
         run.display(),
         if s.optimal_loss.is_some() {
             format!(", {}/gap.svg", run.display())
+        } else {
+            String::new()
+        },
+        if run.join(ffn_train::run::LOAD_PLOT).exists() {
+            format!(", {}/load.svg", run.display())
         } else {
             String::new()
         }

@@ -99,6 +99,39 @@ pub fn gap_svg(title: &str, records: &[Record]) -> String {
     chart(title, "gap to the optimum (log scale)", &lines, None, true)
 }
 
+/// `load.svg` of a run with sparse layers: at each logged training step, the busiest expert's
+/// load over the mean and the loads' coefficient of variation (the largest over the layers),
+/// and the fraction of pairs dropped by capacity when there is any; balance is the dashed 1
+/// and 0. `None` for a run without sparse layers.
+pub fn load_svg(title: &str, records: &[Record]) -> Option<String> {
+    let moe = |f: fn(&crate::metrics::MoeLoad) -> f64| move |r: &Record| r.moe.as_ref().map(f);
+    let line = |name: &str, color, points: Vec<(f64, f64)>| Series {
+        name: name.into(),
+        color,
+        width: 1.5,
+        dots: false,
+        points,
+    };
+    let max = series(records, "train", moe(|m| m.load_max_over_mean));
+    if max.is_empty() {
+        return None;
+    }
+    let mut lines = vec![
+        line("busiest expert / mean", "#3060c0", max),
+        line(
+            "coefficient of variation",
+            "#2ca02c",
+            series(records, "train", moe(|m| m.load_cv)),
+        ),
+    ];
+    let dropped = series(records, "train", moe(|m| m.dropped_fraction));
+    if dropped.iter().any(|p| p.1 > 0.0) {
+        lines.push(line("dropped fraction", "#d04020", dropped));
+    }
+    let reference = Some(("balanced: 1 (and 0)".to_string(), 1.0));
+    Some(chart(title, "expert load", &lines, reference, false))
+}
+
 /// The colours of a sweep's variants, in order.
 const PALETTE: [&str; 10] = [
     "#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf",
@@ -504,6 +537,36 @@ mod tests {
 
     /// The gap plot is logarithmic: a gap of 10⁻³ sits as far below 10⁻² as 10⁻² below 10⁻¹,
     /// and gaps at or below zero are left out.
+    #[test]
+    fn the_load_plot_has_a_line_per_statistic_and_only_for_sparse_runs() {
+        let rec = |step, moe: Option<(f64, f64, f64)>| Record {
+            step,
+            kind: "train".into(),
+            loss: 1.0,
+            gap: None,
+            lr: None,
+            moe: moe.map(|(a, b, c)| crate::metrics::MoeLoad {
+                load_max_over_mean: a,
+                load_cv: b,
+                dropped_fraction: c,
+            }),
+        };
+        assert_eq!(load_svg("dense", &[rec(10, None), rec(20, None)]), None);
+        let balanced = [
+            rec(10, Some((1.5, 0.3, 0.0))),
+            rec(20, Some((1.1, 0.1, 0.0))),
+        ];
+        let svg = load_svg("sparse", &balanced).unwrap();
+        assert_eq!(svg.matches("<polyline").count(), 2, "{svg}");
+        assert!(svg.contains("coefficient of variation") && !svg.contains("dropped"));
+        let dropping = [
+            rec(10, Some((1.5, 0.3, 0.2))),
+            rec(20, Some((1.1, 0.1, 0.1))),
+        ];
+        let svg = load_svg("sparse", &dropping).unwrap();
+        assert_eq!(svg.matches("<polyline").count(), 3, "{svg}");
+    }
+
     #[test]
     fn the_gap_plot_is_logarithmic() {
         let rec = |step, kind: &str, gap: f64| Record {

@@ -44,13 +44,15 @@ pub const SUMMARY: &str = "summary.json";
 pub const PLOT: &str = "loss.svg";
 /// The gap to the optimum, on a log scale.
 pub const GAP_PLOT: &str = "gap.svg";
+/// The expert load of a run with sparse layers.
+pub const LOAD_PLOT: &str = "load.svg";
 /// The checkpoint folder.
 pub const CHECKPOINTS: &str = "checkpoints";
 /// The lock file.
 pub const LOCK: &str = ".lock";
 
 /// Every name `ffn-train` writes in a run folder.
-pub const NAMES: [&str; 13] = [
+pub const NAMES: [&str; 14] = [
     CONFIG,
     FFN,
     VOCAB,
@@ -62,6 +64,7 @@ pub const NAMES: [&str; 13] = [
     SUMMARY,
     PLOT,
     GAP_PLOT,
+    LOAD_PLOT,
     CHECKPOINTS,
     LOCK,
 ];

@@ -1017,11 +1017,18 @@ impl Trainer {
             let svg = crate::plot::gap_svg(&title, &records);
             run::write_atomically(&self.run.join(run::GAP_PLOT), svg.as_bytes())?;
         }
+        if let Some(svg) = crate::plot::load_svg(&title, &records) {
+            run::write_atomically(&self.run.join(run::LOAD_PLOT), svg.as_bytes())?;
+        }
         Ok(summary)
     }
 
     fn ffn_params(&self) -> usize {
-        let per_ffn = self.ffn.num_params();
+        // A sparse layer counts every expert, the router and the shared experts.
+        let per_ffn = match self.config.moe() {
+            Ok(Some(moe)) => moe.num_params(),
+            _ => self.ffn.num_params(),
+        };
         match &self.config.model {
             crate::config::ModelConfig::Transformer(m) => per_ffn * m.n_layers,
             _ => per_ffn,
