@@ -334,19 +334,14 @@ impl FeedForwardConfig {
 
     /// Parses and validates a TOML config.
     pub fn from_toml(text: &str) -> Result<Self, ConfigError> {
-        let table: toml::Table = toml::from_str(text).map_err(|e| parse_error("TOML", e))?;
-        check_activation(table.get("activation").and_then(|v| v.as_str()))?;
-        let config: Self = table.try_into().map_err(|e| parse_error("TOML", e))?;
+        let config: Self = parse_toml(text, &["activation"])?;
         config.validate()?;
         Ok(config)
     }
 
     /// Parses and validates a JSON config.
     pub fn from_json(text: &str) -> Result<Self, ConfigError> {
-        let value: serde_json::Value =
-            serde_json::from_str(text).map_err(|e| parse_error("JSON", e))?;
-        check_activation(value.get("activation").and_then(|v| v.as_str()))?;
-        let config: Self = serde_json::from_value(value).map_err(|e| parse_error("JSON", e))?;
+        let config: Self = parse_json(text, &["activation"])?;
         config.validate()?;
         Ok(config)
     }
@@ -362,12 +357,39 @@ impl FeedForwardConfig {
     }
 }
 
+/// Parses TOML text into `T`, the activation name at the key path `activation` checked first
+/// (an unknown name is then its typed error, not serde's text).
+pub(crate) fn parse_toml<T: serde::de::DeserializeOwned>(
+    text: &str,
+    activation: &[&str],
+) -> Result<T, ConfigError> {
+    let table: toml::Table = toml::from_str(text).map_err(|e| parse_error("TOML", e))?;
+    let mut at = table.get(activation[0]);
+    for key in &activation[1..] {
+        at = at.and_then(|v| v.get(key));
+    }
+    check_activation(at.and_then(|v| v.as_str()))?;
+    table.try_into().map_err(|e| parse_error("TOML", e))
+}
+
+/// [`parse_toml`] for JSON text.
+pub(crate) fn parse_json<T: serde::de::DeserializeOwned>(
+    text: &str,
+    activation: &[&str],
+) -> Result<T, ConfigError> {
+    let value: serde_json::Value =
+        serde_json::from_str(text).map_err(|e| parse_error("JSON", e))?;
+    let at = activation.iter().try_fold(&value, |v, key| v.get(key));
+    check_activation(at.and_then(|v| v.as_str()))?;
+    serde_json::from_value(value).map_err(|e| parse_error("JSON", e))
+}
+
 /// Turns an unknown activation name into its typed error before serde turns it into text.
-pub(crate) fn check_activation(name: Option<&str>) -> Result<(), ConfigError> {
+fn check_activation(name: Option<&str>) -> Result<(), ConfigError> {
     name.map_or(Ok(()), |name| name.parse::<Activation>().map(drop))
 }
 
-pub(crate) fn parse_error(format: &'static str, err: impl std::fmt::Display) -> ConfigError {
+fn parse_error(format: &'static str, err: impl std::fmt::Display) -> ConfigError {
     ConfigError::Parse {
         format,
         message: err.to_string().trim().to_string(),

@@ -20,7 +20,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::config::{MAX_MATRIX, check_activation, parse_error};
+use crate::config::{MAX_MATRIX, parse_json, parse_toml};
 use crate::{ConfigError, FeedForwardConfig};
 
 /// How the router turns its logits `z = x W_r` into expert scores.
@@ -432,27 +432,14 @@ impl MoeConfig {
 
     /// Parses and validates a TOML config.
     pub fn from_toml(text: &str) -> Result<Self, ConfigError> {
-        let table: toml::Table = toml::from_str(text).map_err(|e| parse_error("TOML", e))?;
-        let activation = table
-            .get("expert")
-            .and_then(|e| e.get("activation"))
-            .and_then(|v| v.as_str());
-        check_activation(activation)?;
-        let config: Self = table.try_into().map_err(|e| parse_error("TOML", e))?;
+        let config: Self = parse_toml(text, &["expert", "activation"])?;
         config.validate()?;
         Ok(config)
     }
 
     /// Parses and validates a JSON config.
     pub fn from_json(text: &str) -> Result<Self, ConfigError> {
-        let value: serde_json::Value =
-            serde_json::from_str(text).map_err(|e| parse_error("JSON", e))?;
-        let activation = value
-            .get("expert")
-            .and_then(|e| e.get("activation"))
-            .and_then(|v| v.as_str());
-        check_activation(activation)?;
-        let config: Self = serde_json::from_value(value).map_err(|e| parse_error("JSON", e))?;
+        let config: Self = parse_json(text, &["expert", "activation"])?;
         config.validate()?;
         Ok(config)
     }
