@@ -91,7 +91,7 @@ fn each_variant_config_trains_its_variant_and_differs_only_there() {
 /// and the presets are the grids their files and the README describe.
 #[test]
 fn every_shipped_sweep_plans_the_grid_it_describes() {
-    use ffn::train::sweep::Sweep;
+    use ffn::train::sweep::{Sweep, SweepVariant};
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/sweeps");
     let quick = Sweep::load(&root.join("quick.toml"), None).unwrap();
     assert_eq!(quick.config.variants.len(), 8);
@@ -99,16 +99,39 @@ fn every_shipped_sweep_plans_the_grid_it_describes() {
     assert_eq!(quick.cells.len(), 2 * 8 * 3);
     assert_eq!(quick.folder, Path::new("runs/quick"));
     let full = Sweep::load(&root.join("full.toml"), None).unwrap();
-    assert_eq!(full.config.variants, Variant::ALL.to_vec());
+    assert_eq!(
+        full.config.variants,
+        Variant::ALL.map(SweepVariant::Preset).to_vec()
+    );
     assert!(full.config.seeds.len() >= 5);
     // Two language tasks × 4 LRs and two teacher tasks × 3 LRs, 8 variants, 5 seeds.
     assert_eq!(full.cells.len(), (2 * 4 + 2 * 3) * 8 * 5);
     for cell in quick.cells.iter().chain(&full.cells) {
         assert_eq!(cell.config.seed, cell.seed);
         assert_eq!(cell.config.train.lr, cell.lr);
+        let SweepVariant::Preset(variant) = &cell.variant else {
+            panic!("{} is not a preset", cell.variant.name());
+        };
         assert_eq!(
             cell.config.ffn().unwrap().d_ff,
-            ffn::FeedForwardConfig::preset(cell.variant, cell.config.ffn().unwrap().d_model).d_ff
+            ffn::FeedForwardConfig::preset(*variant, cell.config.ffn().unwrap().d_model).d_ff
         );
     }
+    // The mixture-of-experts study: the dense baseline, a mixture at its active parameters, a
+    // dense FFN at the mixture's total and a mixture at the baseline's total, each within 3 %.
+    let moe = Sweep::load(&root.join("moe.toml"), None).unwrap();
+    assert_eq!(moe.cells.len(), 4 * 5 * 3);
+    let params = |name: &str| {
+        let cell = moe.cells.iter().find(|c| c.variant.name() == name).unwrap();
+        assert_eq!(cell.config.train.steps, 1200, "the default run's length");
+        cell.config.ffn_params().unwrap()
+    };
+    let near = |a: usize, b: usize| (a as f64 / b as f64 - 1.0).abs() < 0.03;
+    let (dense, _) = params("FFN_SwiGLU");
+    let (moe_total, moe_active) = params("MoE-8x86");
+    assert!(moe_total > 3 * moe_active);
+    assert!(near(moe_active, dense), "{moe_active} vs {dense}");
+    assert!(near(params("SwiGLU-688").0, moe_total));
+    let (small_total, small_active) = params("MoE-8x21");
+    assert!(near(small_total, dense) && small_active < dense / 3);
 }

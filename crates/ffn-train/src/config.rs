@@ -552,6 +552,24 @@ impl TrainConfig {
             })
     }
 
+    /// The model's FFN parameters, every layer's: `(total, active)`, where `active` are those
+    /// a token uses (a mixture's `top_k` routed experts, its router and shared experts; all of
+    /// a dense FFN's).
+    pub fn ffn_params(&self) -> Result<(usize, usize)> {
+        let layers = match &self.model {
+            ModelConfig::Transformer(m) => m.n_layers,
+            _ => 1,
+        };
+        let (total, active) = match self.moe()? {
+            Some(moe) => (moe.num_params(), moe.active_params()),
+            None => {
+                let n = self.ffn()?.num_params();
+                (n, n)
+            }
+        };
+        Ok((total.saturating_mul(layers), active.saturating_mul(layers)))
+    }
+
     /// Whether training draws random numbers in the forward pass (any dropout).
     pub fn uses_dropout(&self) -> bool {
         let attention = match &self.model {

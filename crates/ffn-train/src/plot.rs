@@ -473,6 +473,7 @@ mod tests {
             tokens_per_s: Some(1.0),
             params: 10,
             ffn_params: 5,
+            ffn_active_params: 5,
             gap_by_lr: vec![],
         };
         let summary = crate::sweep::SweepSummary {

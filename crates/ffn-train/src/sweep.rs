@@ -6,6 +6,9 @@
 //!
 //! ```toml
 //! variants = ["FFN_ReLU", "FFN_GELU", "FFN_SwiGLU"]   # presets, at parameter parity
+//! # or a named FFN of your own: a preset's activation and gating, a width, optionally sparse
+//! # variants = ["FFN_SwiGLU", { name = "MoE-8x86", preset = "SwiGLU", d_ff = 86,
+//! #                            moe = { n_experts = 8, top_k = 2 } }]
 //! seeds = [1, 2, 3]
 //! lrs = [1e-3, 3e-3]          # the learning-rate grid (a task may give its own)
 //! baseline = "FFN_ReLU"       # what every other variant is tested against
@@ -18,8 +21,11 @@
 //!
 //! ## Fair by construction
 //! - **Parameter parity**: each cell's FFN is the variant's preset ([`ffn_model::Variant`]: the
-//!   gated ones at `d_ff = 8/3 · d_model`); a base config whose FFN sets `d_ff`, `activation`
-//!   or `gated` is refused, as it would break the parity.
+//!   gated ones at `d_ff = 8/3 · d_model`); a base config whose FFN sets `d_ff`, `activation`,
+//!   `gated` or `moe` is refused, as it would break the parity. A named variant
+//!   ([`SweepVariant::Custom`]) sets its own width or mixture of experts: its parity is the
+//!   sweep author's, and the results carry the FFN parameters, total and active per token,
+//!   of every variant so that the report shows it.
 //! - **Paired seeds**: a cell's seed is the run's seed, and every random stream of a run is
 //!   derived from it by name ([`crate::rng`]): the same seed gives every variant the same
 //!   Markov chain or teacher, the same training batches in the same order and the same
@@ -97,22 +103,146 @@ pub const CELLS: &str = "cells";
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct SweepConfig {
-    /// The variants compared (presets at parameter parity).
-    pub variants: Vec<Variant>,
+    /// The variants compared: presets at parameter parity, or named FFNs of your own.
+    pub variants: Vec<SweepVariant>,
     /// The seeds: each is one paired replicate.
     pub seeds: Vec<u64>,
     /// The learning-rate grid (default: each task's own `train.lr`).
     #[serde(default)]
     pub lrs: Vec<f64>,
-    /// The variant the others are tested against.
+    /// The variant the others are tested against (a preset's name, any spelling, or a named
+    /// variant's).
     #[serde(default = "default_baseline")]
-    pub baseline: Variant,
+    pub baseline: String,
+    /// More paired tests, `[variant, against]` (`[["MoE-8x86", "SwiGLU-688"]]`), corrected
+    /// for multiple testing with those against the baseline.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub pairs: Vec<[String; 2]>,
     /// The tasks.
     pub tasks: Vec<SweepTask>,
 }
 
-fn default_baseline() -> Variant {
-    Variant::FfnRelu
+fn default_baseline() -> String {
+    Variant::FfnRelu.name().into()
+}
+
+/// A variant of a sweep: a preset at parameter parity, or an FFN of your own under a name.
+///
+/// ```toml
+/// variants = [
+///     "FFN_SwiGLU",                                               # d_ff = 8/3 · d_model
+///     { name = "SwiGLU-688", preset = "SwiGLU", d_ff = 688 },     # another width
+///     { name = "MoE-8x86", preset = "SwiGLU", d_ff = 86, moe = { n_experts = 8, top_k = 2 } },
+/// ]
+/// ```
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(untagged)]
+pub enum SweepVariant {
+    /// A preset, at parameter parity ([`Variant::d_ff`]).
+    Preset(Variant),
+    /// A named FFN.
+    Custom(CustomVariant),
+}
+
+/// A named variant: a preset's activation and gating, its own width, optionally a sparse
+/// mixture of those FFNs as experts.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CustomVariant {
+    /// Its name in the results (letters, digits, `-`, `_`; not a preset's name).
+    pub name: String,
+    /// The activation and gating.
+    pub preset: Variant,
+    /// The hidden width (default: the preset's at parameter parity); of each expert with `moe`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub d_ff: Option<usize>,
+    /// A mixture of experts: the table of `model.ffn.moe` (`{ n_experts = 8, top_k = 2 }`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub moe: Option<toml::Table>,
+}
+
+impl SweepVariant {
+    /// Its name in the results: the preset's (`FFN_SwiGLU`) or the given one.
+    pub fn name(&self) -> &str {
+        match self {
+            Self::Preset(v) => v.name(),
+            Self::Custom(c) => &c.name,
+        }
+    }
+
+    /// Whether `name` names this variant (a preset in any spelling `Variant` parses).
+    fn is(&self, name: &str) -> bool {
+        match self {
+            Self::Preset(v) => name.parse::<Variant>().is_ok_and(|n| n == *v),
+            Self::Custom(c) => c.name == name,
+        }
+    }
+
+    /// The overrides that make a task's config this variant.
+    fn overrides(&self) -> Vec<String> {
+        match self {
+            Self::Preset(v) => vec![format!("model.ffn.preset=\"{}\"", v.name())],
+            Self::Custom(c) => {
+                let mut set = vec![format!("model.ffn.preset=\"{}\"", c.preset.name())];
+                if let Some(d_ff) = c.d_ff {
+                    set.push(format!("model.ffn.d_ff={d_ff}"));
+                }
+                if let Some(moe) = &c.moe {
+                    set.push(format!("model.ffn.moe={}", toml::Value::Table(moe.clone())));
+                }
+                set
+            }
+        }
+    }
+
+    /// The variant must decide the FFN's width, activation, gating and sparsity.
+    fn check_parity(&self, config: &TrainConfig, task: &str) -> Result<()> {
+        let ffn = config.ffn()?;
+        let (preset, d_ff, sparse) = match self {
+            Self::Preset(v) => (*v, None, false),
+            Self::Custom(c) => (c.preset, c.d_ff, c.moe.is_some()),
+        };
+        let wanted = ffn_model::FeedForwardConfig::preset(preset, ffn.d_model);
+        let wanted = (d_ff.unwrap_or(wanted.d_ff), wanted.activation, wanted.gated);
+        if (ffn.d_ff, ffn.activation, ffn.gated) != wanted || config.moe()?.is_some() != sparse {
+            return Err(Error::Config(format!(
+                "task `{task}`: its model.ffn sets d_ff, multiple_of, activation, gated or moe, \
+                 which would override the {} variant and break parameter parity: remove them",
+                self.name()
+            )));
+        }
+        Ok(())
+    }
+}
+
+impl<'de> Deserialize<'de> for SweepVariant {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        use serde::de::Error as _;
+        match toml::Value::deserialize(deserializer)? {
+            toml::Value::String(name) => name.parse().map(Self::Preset).map_err(D::Error::custom),
+            table @ toml::Value::Table(_) => {
+                table
+                    .try_into()
+                    .map(Self::Custom)
+                    .map_err(|e: toml::de::Error| {
+                        D::Error::custom(format!("a named variant: {}", e.message()))
+                    })
+            }
+            other => Err(D::Error::custom(format!(
+                "a variant is a preset's name or a table {{ name, preset, d_ff, moe }}, not \
+                 `{other}`"
+            ))),
+        }
+    }
+}
+
+/// A name for files and results: 1 to 64 letters, digits, `-` or `_`.
+fn valid_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 64
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
 }
 
 /// One task of a sweep: a run config and overrides.
@@ -137,7 +267,7 @@ pub struct Cell {
     /// The task's name.
     pub task: String,
     /// The variant.
-    pub variant: Variant,
+    pub variant: SweepVariant,
     /// The seed.
     pub seed: u64,
     /// The peak learning rate.
@@ -214,8 +344,12 @@ pub struct CellResult {
     pub wall_time_s: Option<f64>,
     /// Trainable parameters of the model.
     pub params: usize,
-    /// Of which in FFNs.
+    /// Of which in FFNs (every expert of a mixture).
     pub ffn_params: usize,
+    /// The FFN parameters one token uses (a mixture's `top_k` experts, router and shared
+    /// experts; a dense FFN's all). From the cell's config.
+    #[serde(default)]
+    pub ffn_active_params: usize,
     /// The fingerprint of the cell's config (a result of another config is not reused).
     pub config: String,
 }
@@ -251,6 +385,8 @@ pub struct VariantSummary {
     pub params: usize,
     /// FFN parameters.
     pub ffn_params: usize,
+    /// FFN parameters one token uses.
+    pub ffn_active_params: usize,
     /// Mean final gap at each learning rate of the grid (`None`: a seed diverged).
     pub gap_by_lr: Vec<(f64, Option<f64>)>,
 }
@@ -303,8 +439,8 @@ pub struct SweepSummary {
 
 const METHOD: &str = "final validation gap (loss − optimum) per seed; each variant at the \
     learning rate with the lowest mean gap over seeds; mean ± Student-t 95% interval; each \
-    variant against the baseline by a two-sided paired t-test over seeds (same data, same \
-    teacher per seed), p-values Holm-corrected within each task";
+    variant against the baseline (and the sweep's extra pairs) by a two-sided paired t-test \
+    over seeds (same data, same teacher per seed), p-values Holm-corrected within each task";
 
 impl Sweep {
     /// Reads a sweep config and plans its cells, every one resolved and validated: a config
@@ -337,14 +473,68 @@ impl Sweep {
         if config.variants.is_empty() || config.seeds.is_empty() || config.tasks.is_empty() {
             return fail("a sweep needs at least one variant, one seed and one task".into());
         }
-        if !config.variants.contains(&config.baseline) {
+        for variant in &config.variants {
+            if let SweepVariant::Custom(c) = variant {
+                if !valid_name(&c.name) {
+                    return fail(format!(
+                        "variant name `{}`: use 1 to 64 letters, digits, `-` or `_`",
+                        ffn_model::printable(&c.name, 80)
+                    ));
+                }
+                if c.name.parse::<Variant>().is_ok() {
+                    return fail(format!(
+                        "variant name `{}` is a preset's: give the named variant another",
+                        c.name
+                    ));
+                }
+            }
+        }
+        if !config.variants.iter().any(|v| v.is(&config.baseline)) {
             return fail(format!(
                 "the baseline {} is not among the variants",
-                config.baseline
+                ffn_model::printable(&config.baseline, 80)
             ));
         }
-        if let Some(dup) = first_duplicate(&config.variants) {
+        let names: Vec<&str> = config.variants.iter().map(SweepVariant::name).collect();
+        if let Some(dup) = first_duplicate(&names) {
             return fail(format!("variant {dup} is listed twice"));
+        }
+        for pair in &config.pairs {
+            let found = pair
+                .clone()
+                .map(|name| config.variants.iter().position(|v| v.is(&name)).ok_or(name));
+            let baseline = config.variants.iter().position(|v| v.is(&config.baseline));
+            let twice = config
+                .pairs
+                .iter()
+                .filter(|p| {
+                    let same =
+                        |x: &str, y: &str| config.variants.iter().any(|v| v.is(x) && v.is(y));
+                    (same(&p[0], &pair[0]) && same(&p[1], &pair[1]))
+                        || (same(&p[0], &pair[1]) && same(&p[1], &pair[0]))
+                })
+                .count()
+                > 1;
+            match found {
+                [Ok(a), Ok(b)] if a == b => {
+                    return fail(format!("pair {pair:?} compares a variant with itself"));
+                }
+                [Ok(a), Ok(b)] if baseline == Some(a) || baseline == Some(b) => {
+                    return fail(format!(
+                        "pair {pair:?}: every variant is tested against the baseline already"
+                    ));
+                }
+                [Ok(_), Ok(_)] if twice => {
+                    return fail(format!("pair {pair:?} is listed twice"));
+                }
+                [Ok(_), Ok(_)] => {}
+                [Err(name), _] | [_, Err(name)] => {
+                    return fail(format!(
+                        "pair {pair:?}: {} is not among the variants",
+                        ffn_model::printable(&name, 80)
+                    ));
+                }
+            }
         }
         if let Some(dup) = first_duplicate(&config.seeds) {
             return fail(format!("seed {dup} is listed twice"));
@@ -352,13 +542,7 @@ impl Sweep {
         let mut cells = Vec::new();
         let mut names = Vec::new();
         for task in &config.tasks {
-            let valid_name = !task.name.is_empty()
-                && task.name.len() <= 64
-                && task
-                    .name
-                    .bytes()
-                    .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
-            if !valid_name {
+            if !valid_name(&task.name) {
                 return fail(format!(
                     "task name `{}`: use 1 to 64 letters, digits, `-` or `_`",
                     ffn_model::printable(&task.name, 80)
@@ -396,7 +580,7 @@ impl Sweep {
                     f64::from_bits(dup)
                 ));
             }
-            for &variant in &config.variants {
+            for variant in &config.variants {
                 for &lr in &lrs {
                     for &seed in &config.seeds {
                         let mut set = task.set.clone();
@@ -407,13 +591,14 @@ impl Sweep {
                             "train.min_lr={:e}",
                             task_config.train.min_lr * lr / task_config.train.lr
                         ));
-                        set.push(format!("model.ffn.preset=\"{}\"", variant.name()));
-                        let config = TrainConfig::from_toml(&text, &set)
-                            .map_err(|e| Error::Config(format!("{context}: {e}")))?;
-                        check_parity(&config, variant, &task.name)?;
+                        set.extend(variant.overrides());
+                        let config = TrainConfig::from_toml(&text, &set).map_err(|e| {
+                            Error::Config(format!("{context}, variant {}: {e}", variant.name()))
+                        })?;
+                        variant.check_parity(&config, &task.name)?;
                         cells.push(Cell {
                             task: task.name.clone(),
-                            variant,
+                            variant: variant.clone(),
                             seed,
                             lr,
                             config,
@@ -453,7 +638,7 @@ impl Sweep {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
             Err(e) => return Err(Error::io(&path)(e)),
         };
-        let result: CellResult = serde_json::from_str(&text).map_err(|e| Error::Data {
+        let mut result: CellResult = serde_json::from_str(&text).map_err(|e| Error::Data {
             path: path.clone(),
             message: format!("not a cell result ({e}); remove it to run the cell again"),
         })?;
@@ -465,6 +650,8 @@ impl Sweep {
                 self.folder.display()
             )));
         }
+        // Results written before the field existed.
+        result.ffn_active_params = active_params(&cell.config);
         Ok(Some(result))
     }
 
@@ -709,6 +896,7 @@ impl Sweep {
                     wall_time_s: Some(s.wall_time_s),
                     params: s.params,
                     ffn_params: s.ffn_params,
+                    ffn_active_params: active_params(&cell.config),
                     config: fingerprint(&cell.config),
                 }
             }
@@ -729,6 +917,7 @@ impl Sweep {
                     wall_time_s: None,
                     params: 0,
                     ffn_params: 0,
+                    ffn_active_params: active_params(&cell.config),
                     config: fingerprint(&cell.config),
                 }
             }
@@ -823,25 +1012,17 @@ impl Sweep {
     }
 }
 
-/// The variant's preset must decide the FFN's width, activation and gating.
-fn check_parity(config: &TrainConfig, variant: Variant, task: &str) -> Result<()> {
-    let ffn = config.ffn()?;
-    let preset = ffn_model::FeedForwardConfig::preset(variant, ffn.d_model);
-    if (ffn.d_ff, ffn.activation, ffn.gated) != (preset.d_ff, preset.activation, preset.gated) {
-        return Err(Error::Config(format!(
-            "task `{task}`: its model.ffn sets d_ff, multiple_of, activation or gated, which \
-             would override the {variant} preset and break parameter parity: remove them"
-        )));
-    }
-    Ok(())
-}
-
 fn first_duplicate<T: PartialEq + Copy>(items: &[T]) -> Option<T> {
     items
         .iter()
         .enumerate()
         .find(|(i, x)| items[..*i].contains(x))
         .map(|(_, x)| *x)
+}
+
+/// The FFN parameters a token uses, every layer's.
+fn active_params(config: &TrainConfig) -> usize {
+    config.ffn_params().map_or(0, |(_, active)| active)
 }
 
 fn fingerprint(config: &TrainConfig) -> String {
@@ -942,8 +1123,8 @@ pub fn summarize(
     let mut variants = Vec::new();
     let mut comparisons = Vec::new();
     for task in &config.tasks {
-        let mut chosen: Vec<(Variant, Option<f64>, Vec<&CellResult>)> = Vec::new();
-        for &variant in &config.variants {
+        let mut chosen: Vec<(&SweepVariant, Option<f64>, Vec<&CellResult>)> = Vec::new();
+        for variant in &config.variants {
             let mine: Vec<&CellResult> = done
                 .iter()
                 .copied()
@@ -992,6 +1173,7 @@ pub fn summarize(
                 tokens_per_s: stats::summarize(&speeds).map(|s| s.mean),
                 params: at.first().map_or(0, |r| r.params),
                 ffn_params: at.first().map_or(0, |r| r.ffn_params),
+                ffn_active_params: at.first().map_or(0, |r| r.ffn_active_params),
                 gap_by_lr,
             });
             chosen.push((variant, lr, at));
@@ -1010,12 +1192,20 @@ pub fn summarize(
         for (rank, i) in order.into_iter().enumerate() {
             variants[i].rank = Some(rank + 1);
         }
-        // Paired tests against the baseline, by seed.
-        let Some((_, _, base)) = chosen.iter().find(|c| c.0 == config.baseline) else {
-            continue;
-        };
+        // Paired tests by seed: every variant against the baseline, then the extra pairs.
+        let find = |name: &str| chosen.iter().find(|c| c.0.is(name));
+        let mut pairs = Vec::new();
+        if let Some(base) = find(&config.baseline) {
+            pairs.extend(chosen.iter().filter(|c| c.0 != base.0).map(|c| (c, base)));
+        }
+        pairs.extend(
+            config
+                .pairs
+                .iter()
+                .filter_map(|[a, b]| Some((find(a)?, find(b)?))),
+        );
         let mut tests = Vec::new();
-        for (variant, _, at) in chosen.iter().filter(|c| c.0 != config.baseline) {
+        for ((variant, _, at), (baseline, _, base)) in pairs {
             let pairs: Vec<(f64, f64)> = at
                 .iter()
                 .filter_map(|r| {
@@ -1033,7 +1223,7 @@ pub fn summarize(
             tests.push(Comparison {
                 task: task.name.clone(),
                 variant: variant.name().into(),
-                baseline: config.baseline.name().into(),
+                baseline: baseline.name().into(),
                 n: test.n,
                 mean_difference: test.mean_difference,
                 ci95_low: d.ci95.0,
@@ -1049,9 +1239,14 @@ pub fn summarize(
         }
         comparisons.extend(tests);
     }
+    let baseline = config
+        .variants
+        .iter()
+        .find(|v| v.is(&config.baseline))
+        .map_or(config.baseline.as_str(), SweepVariant::name);
     SweepSummary {
         name: name.into(),
-        baseline: config.baseline.name().into(),
+        baseline: baseline.into(),
         method: METHOD.into(),
         variants,
         comparisons,
@@ -1084,15 +1279,16 @@ pub fn report(summary: &SweepSummary) -> String {
             summary.variants.iter().filter(|v| v.task == task).collect();
         rows.sort_by_key(|v| v.rank.unwrap_or(usize::MAX));
         out += &format!(
-            "\n## Task `{task}`\n\n| rank | variant | params (FFN) | lr | n | mean gap | 95% CI | std | best gap | tokens/s |\n|---|---|---|---|---|---|---|---|---|---|\n"
+            "\n## Task `{task}`\n\n| rank | variant | params (FFN) | active FFN | lr | n | mean gap | 95% CI | std | best gap | tokens/s |\n|---|---|---|---|---|---|---|---|---|---|---|\n"
         );
         for v in &rows {
             out += &format!(
-                "| {} | {} | {} ({}) | {} | {} | {} | [{}, {}] | {} | {} | {} |\n",
+                "| {} | {} | {} ({}) | {} | {} | {} | {} | [{}, {}] | {} | {} | {} |\n",
                 v.rank.map_or("–".into(), |r| r.to_string()),
                 v.variant,
                 v.params,
                 v.ffn_params,
+                v.ffn_active_params,
                 v.lr.map_or("–".into(), |lr| format!("{lr:e}")),
                 v.n,
                 fmt(v.mean_gap),
@@ -1134,16 +1330,28 @@ pub fn report(summary: &SweepSummary) -> String {
             .iter()
             .filter(|c| c.task == task)
             .collect();
-        if !tests.is_empty() {
+        let (ours, others): (Vec<&Comparison>, Vec<&Comparison>) = tests
+            .into_iter()
+            .partition(|c| c.baseline == summary.baseline);
+        let row = |c: &Comparison| {
+            format!(
+                "| {} | {:+.4} | [{:+.4}, {:+.4}] | {:.2} | {:.3} | {:.3} |\n",
+                c.n, c.mean_difference, c.ci95_low, c.ci95_high, c.t, c.p, c.p_holm
+            )
+        };
+        if !ours.is_empty() {
             out += &format!(
                 "\nAgainst {} (paired by seed; negative: smaller gap than {}):\n\n| variant | n | mean difference | 95% CI | t | p | p (Holm) |\n|---|---|---|---|---|---|---|\n",
                 summary.baseline, summary.baseline
             );
-            for c in tests {
-                out += &format!(
-                    "| {} | {} | {:+.4} | [{:+.4}, {:+.4}] | {:.2} | {:.3} | {:.3} |\n",
-                    c.variant, c.n, c.mean_difference, c.ci95_low, c.ci95_high, c.t, c.p, c.p_holm
-                );
+            for c in ours {
+                out += &format!("| {} {}", c.variant, row(c));
+            }
+        }
+        if !others.is_empty() {
+            out += "\nMore pairs (paired by seed; negative: the variant's gap is smaller):\n\n| variant | against | n | mean difference | 95% CI | t | p | p (Holm) |\n|---|---|---|---|---|---|---|---|\n";
+            for c in others {
+                out += &format!("| {} | {} {}", c.variant, c.baseline, row(c));
             }
         }
     }
@@ -1203,6 +1411,7 @@ mod tests {
             wall_time_s: gap.map(|_| 2.0),
             params: 50,
             ffn_params: 40,
+            ffn_active_params: 40,
             config: String::new(),
         })
     }
@@ -1214,10 +1423,11 @@ mod tests {
     fn the_summary_follows_the_method_by_hand() {
         let (relu, glu) = (Variant::FfnRelu, Variant::Glu);
         let config = SweepConfig {
-            variants: vec![relu, glu],
+            variants: vec![SweepVariant::Preset(relu), SweepVariant::Preset(glu)],
             seeds: vec![1, 2, 3],
             lrs: vec![0.1, 0.2],
-            baseline: relu,
+            baseline: "relu".into(),
+            pairs: vec![],
             tasks: vec![SweepTask {
                 name: "t".into(),
                 config: "x.toml".into(),
@@ -1277,7 +1487,7 @@ mod tests {
         assert_eq!(c.p_holm, c.p);
         let report = report(&s);
         assert!(
-            report.contains("| 1 | FFN_GLU | 50 (40) | 1e-1 | 3 | 0.0600 |"),
+            report.contains("| 1 | FFN_GLU | 50 (40) | 40 | 1e-1 | 3 | 0.0600 |"),
             "{report}"
         );
         assert!(report.contains("| FFN_GLU | 0.0600 | – |"), "{report}");
@@ -1301,7 +1511,7 @@ mod tests {
     fn cell_ids_name_task_variant_seed_and_lr() {
         let cell = Cell {
             task: "markov".into(),
-            variant: Variant::SwiGlu,
+            variant: SweepVariant::Preset(Variant::SwiGlu),
             seed: 4,
             lr: 0.003,
             config: crate::TrainConfig::from_toml(crate::DEFAULT_CONFIG, &[]).unwrap(),

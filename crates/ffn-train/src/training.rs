@@ -377,7 +377,6 @@ pub fn stop_requested() -> bool {
 pub struct Trainer {
     run: PathBuf,
     config: TrainConfig,
-    ffn: FeedForwardConfig,
     task: Task,
     device: Device,
     model: Model,
@@ -793,7 +792,6 @@ impl Trainer {
             metrics: Metrics::open(run, state.step)?,
             run: run.to_path_buf(),
             config: loaded.config,
-            ffn: loaded.ffn,
             task: loaded.task,
             device: loaded.device,
             model: loaded.model,
@@ -1025,14 +1023,7 @@ impl Trainer {
 
     fn ffn_params(&self) -> usize {
         // A sparse layer counts every expert, the router and the shared experts.
-        let per_ffn = match self.config.moe() {
-            Ok(Some(moe)) => moe.num_params(),
-            _ => self.ffn.num_params(),
-        };
-        match &self.config.model {
-            crate::config::ModelConfig::Transformer(m) => per_ffn * m.n_layers,
-            _ => per_ffn,
-        }
+        self.config.ffn_params().map_or(0, |(total, _)| total)
     }
 
     /// The run folder.

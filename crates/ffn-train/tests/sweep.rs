@@ -375,12 +375,65 @@ fn sweeps_refuse_what_would_make_them_unfair_or_ambiguous() {
         "task name `../x`",
     );
     check(&SWEEP.replace("FFN_SwiGLU", "FFN_SwiGLUE"), "FFN_SwiGLUE");
+    // Named variants: a name that is a preset's, one unfit for a folder, an unknown field, a
+    // name listed twice, a baseline that is none of them.
+    let named = |table: &str| SWEEP.replace("\"FFN_SwiGLU\"]", &format!("{table}]"));
+    check(
+        &named(r#"{ name = "swiglu", preset = "GELU" }"#),
+        "variant name `swiglu` is a preset's",
+    );
+    check(
+        &named(r#"{ name = "a/b", preset = "GELU" }"#),
+        "variant name `a/b`",
+    );
+    check(
+        &named(r#"{ name = "wide", preset = "GELU", width = 9 }"#),
+        "unknown field `width`",
+    );
+    check(
+        &named(r#"{ name = "w", preset = "GELU" }, { name = "w", preset = "GLU", d_ff = 9 }"#),
+        "variant w is listed twice",
+    );
+    check(
+        &format!("baseline = \"w\"\n{SWEEP}"),
+        "the baseline w is not",
+    );
+    check(&named("7"), "a variant is a preset's name or a table");
+    // Extra pairs name two variants, neither the baseline, once.
+    let paired = |pairs: &str| {
+        format!(
+            "pairs = {pairs}\n{}",
+            named(r#"{ name = "w", preset = "GELU" }, "FFN_GLU""#)
+        )
+    };
+    check(&paired(r#"[["w", "x"]]"#), "x is not among the variants");
+    check(&paired(r#"[["w", "w"]]"#), "compares a variant with itself");
+    check(
+        &paired(r#"[["w", "relu"]]"#),
+        "tested against the baseline already",
+    );
+    check(
+        &paired(r#"[["w", "glu"], ["FFN_GLU", "w"]]"#),
+        "is listed twice",
+    );
+    // A named variant's mixture is checked like `model.ffn.moe`.
+    check(
+        &named(r#"{ name = "moe", preset = "GELU", moe = { n_experts = 2, top_k = 3 } }"#),
+        "top_k",
+    );
     check(&SWEEP.replace("seeds", "sedes"), "sedes");
-    // A base config that fixes the FFN's width breaks parameter parity.
+    // A base config that fixes the FFN's width, or makes it sparse, breaks parameter parity.
     check(
         &SWEEP.replace(
             "set = [\"train.steps=30\"]",
             "set = [\"model.ffn.d_ff=64\"]",
+        ),
+        "break parameter parity",
+    );
+    check(
+        &SWEEP.replace(
+            "set = [\"train.steps=30\"]",
+            "set = [\"model.ffn.moe={ n_experts = 2, top_k = 1 }\"]",
         ),
         "break parameter parity",
     );
@@ -411,4 +464,86 @@ fn sweeps_refuse_what_would_make_them_unfair_or_ambiguous() {
     assert_error(&edited, "another config");
     // Nothing of the first sweep was touched.
     assert_eq!(lines(&dir.join("o/results.jsonl")).len(), 4);
+}
+
+/// Named variants: a mixture of experts and a dense FFN of another width train beside a preset;
+/// the results and the report carry each one's FFN parameters, total and active per token.
+#[test]
+fn named_variants_compare_mixtures_and_widths_with_their_active_parameters() {
+    let dir = scratch("sweep-named");
+    let sweep = r#"
+variants = [
+    "FFN_SwiGLU",
+    { name = "MoE-4x22", preset = "SwiGLU", d_ff = 22, moe = { n_experts = 4, top_k = 2 } },
+    { name = "SwiGLU-88", preset = "swiglu", d_ff = 88 },
+]
+seeds = [1, 2]
+baseline = "swiglu"
+pairs = [["MoE-4x22", "SwiGLU-88"]]
+
+[[tasks]]
+name = "lm"
+config = "lm.toml"
+"#;
+    write_sweep(&dir, sweep);
+    let out = ffn_train(&["sweep", "--config", "tiny.toml", "--out", "o"], &dir);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let results = lines(&dir.join("o/results.jsonl"));
+    assert_eq!(results.len(), 6);
+    // d_model 16, one layer: SwiGLU d_ff 43 (8/3 · 16), experts of 22 behind a 16 → 4 router.
+    let params = |i: usize| {
+        let r = &results[i];
+        assert_eq!(r["status"], "completed", "{r}");
+        (
+            r["variant"].as_str().unwrap().to_string(),
+            r["ffn_params"].as_u64().unwrap(),
+            r["ffn_active_params"].as_u64().unwrap(),
+        )
+    };
+    assert_eq!(params(0), ("FFN_SwiGLU".into(), 3 * 16 * 43, 3 * 16 * 43));
+    assert_eq!(
+        params(2),
+        (
+            "MoE-4x22".into(),
+            4 * 3 * 16 * 22 + 16 * 4,
+            2 * 3 * 16 * 22 + 16 * 4
+        )
+    );
+    assert_eq!(params(4), ("SwiGLU-88".into(), 3 * 16 * 88, 3 * 16 * 88));
+    // Each cell's run is the variant's: the mixture in its config and its metrics.
+    let cell = dir.join("o/cells/lm/MoE-4x22/seed-1_lr-1e-2");
+    let config = std::fs::read_to_string(cell.join("config.toml")).unwrap();
+    assert!(config.contains("n_experts = 4"), "{config}");
+    let metrics = std::fs::read_to_string(cell.join("metrics.jsonl")).unwrap();
+    assert!(metrics.contains("load_max_over_mean"), "{metrics}");
+    let summary: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("o/summary.json")).unwrap())
+            .unwrap();
+    assert_eq!(summary["baseline"], "FFN_SwiGLU");
+    let compared: Vec<&str> = summary["comparisons"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["variant"].as_str().unwrap())
+        .collect();
+    assert_eq!(compared, ["MoE-4x22", "SwiGLU-88", "MoE-4x22"]);
+    // The extra pair: the mixture against the dense FFN of its total width, paired by seed.
+    let extra = &summary["comparisons"][2];
+    assert_eq!(extra["baseline"], "SwiGLU-88");
+    let gap = |i: usize| results[i]["final_gap"].as_f64().unwrap();
+    let mean = ((gap(2) - gap(4)) + (gap(3) - gap(5))) / 2.0;
+    assert!((extra["mean_difference"].as_f64().unwrap() - mean).abs() < 1e-12);
+    // Holm over the task's three tests.
+    for c in summary["comparisons"].as_array().unwrap() {
+        assert!(c["p_holm"].as_f64() >= c["p"].as_f64(), "{c}");
+    }
+    let report = std::fs::read_to_string(dir.join("o/report.md")).unwrap();
+    let moe_row = format!(
+        "| MoE-4x22 | {} ({}) | {} |",
+        results[2]["params"],
+        4 * 3 * 16 * 22 + 16 * 4,
+        2 * 3 * 16 * 22 + 16 * 4
+    );
+    assert!(report.contains(&moe_row), "{report}");
+    assert!(report.contains("| MoE-4x22 | SwiGLU-88 | 2 |"), "{report}");
 }
