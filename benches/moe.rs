@@ -3,16 +3,139 @@
 //! input's gradient (`L = Σ y ⊙ g`), on one backend. `tools/bench_moe.py` runs it side by side
 //! with the `transformers` Mixtral block and a dense PyTorch SwiGLU, and prints the ratios.
 //!
+//!
+//! `--memory` measures instead the peak memory of a training step: each layer in a fresh
+//! process, the resident set's high-water mark over three AdamW steps with the input gradient
+//! (from `/proc/self/status`, reset through `/proc/self/clear_refs`) minus the resident set
+//! before them (Linux); `tools/bench_moe.py --memory` does the same for the transformers block.
+//!
 //! ```text
 //! cargo bench --bench moe -- --d-model 512 --d-ff 1368 --experts 8 --top-k 2 --tokens 2048
-//! python3 tools/bench_moe.py        # both shapes of the issue, with transformers
+//! cargo bench --bench moe -- --memory          # peak memory of a training step
+//! python3 tools/bench_moe.py                   # both shapes of the issue, with transformers
+//! python3 tools/bench_moe.py --memory          # the same for memory
 //! ```
 
 use std::io::Write;
 use std::time::Instant;
 
+use burn::module::Module;
+use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::{Device, Distribution, Tensor};
 use ffn::model::{Activation, FeedForwardConfig, MoeConfig};
+
+/// The layer's shape.
+#[derive(Clone, Copy)]
+struct Shape {
+    d_model: usize,
+    d_ff: usize,
+    experts: usize,
+    top_k: usize,
+    tokens: usize,
+}
+
+impl Shape {
+    /// An expert (or, `top_k` times as wide, the dense FFN of the same active parameters).
+    fn swiglu(&self, d_ff: usize) -> FeedForwardConfig {
+        FeedForwardConfig::new(self.d_model, d_ff)
+            .with_activation(Activation::Silu)
+            .with_gated(true)
+    }
+
+    fn moe(&self) -> MoeConfig {
+        MoeConfig::new(self.swiglu(self.d_ff), self.experts, self.top_k)
+    }
+
+    fn json(&self, name: &str, field: &str, value: f64) -> String {
+        let Self {
+            d_model,
+            d_ff,
+            experts,
+            top_k,
+            tokens,
+        } = self;
+        format!(
+            r#"{{"impl":"{name}","d_model":{d_model},"d_ff":{d_ff},"experts":{experts},"top_k":{top_k},"tokens":{tokens},"{field}":{value:.1}}}"#
+        )
+    }
+}
+
+/// A field of `/proc/self/status` in MiB (Linux).
+fn status_mib(field: &str) -> f64 {
+    let status = std::fs::read_to_string("/proc/self/status").expect("/proc/self/status (Linux)");
+    let line = status
+        .lines()
+        .find(|l| l.starts_with(field))
+        .unwrap_or_else(|| panic!("{field} in /proc/self/status"));
+    let kib: f64 = line.split_whitespace().nth(1).unwrap().parse().unwrap();
+    kib / 1024.0
+}
+
+/// Three AdamW steps of `model` (`L = Σ forward(x) ⊙ g`, the input's gradient taken); returns
+/// the peak resident memory above the resident set before them, in MiB. `probe` reads every
+/// weight: they are drawn before the measurement (burn initialises parameters lazily), and
+/// each step waits for its update.
+fn step_memory<M: Module>(
+    mut model: M,
+    forward: impl Fn(&M, Tensor<2>) -> Tensor<2>,
+    probe: impl Fn(&M) -> f32,
+    shape: Shape,
+    device: &Device,
+) -> f64 {
+    let normal = || {
+        Tensor::<2>::random(
+            [shape.tokens, shape.d_model],
+            Distribution::Normal(0.0, 1.0),
+            device,
+        )
+    };
+    let (x, g) = (normal().require_grad(), normal());
+    let _: f32 = (x.clone().sum() + g.clone().sum()).into_scalar();
+    probe(&model);
+    let mut optim = AdamWConfig::new().init();
+    let before = status_mib("VmRSS:");
+    std::fs::write("/proc/self/clear_refs", "5").expect("reset the RSS high-water mark");
+    for _ in 0..3 {
+        let grads = (forward(&model, x.clone()) * g.clone()).sum().backward();
+        let _: f32 = x.grad(&grads).expect("dx").sum().into_scalar();
+        let grads = GradientsParams::from_grads(grads, &model);
+        model = optim.step(1e-4, model, grads);
+        probe(&model);
+    }
+    status_mib("VmHWM:") - before
+}
+
+/// In a fresh process: the peak memory of three training steps of `name` (`ffn-moe` or
+/// `ffn-dense`), as one JSON object on stdout.
+fn memory_child(name: &str, shape: Shape) {
+    let device = Device::flex().autodiff();
+    device.seed(0);
+    let mib = match name {
+        "ffn-moe" => step_memory(
+            shape.moe().init(&device),
+            |m, x| m.forward(x).output,
+            |m| {
+                let w = [m.w_gate().unwrap(), m.w_up(), m.w_down()];
+                let experts: f32 = w.map(|w| w.val().sum().into_scalar()).iter().sum();
+                experts + m.router().weight.val().sum().into_scalar::<f32>()
+            },
+            shape,
+            &device,
+        ),
+        "ffn-dense" => step_memory(
+            shape.swiglu(shape.top_k * shape.d_ff).init(&device),
+            |m, x| m.forward(x),
+            |m| {
+                let w = [m.gate().unwrap(), m.up().unwrap(), m.down()];
+                w.map(|l| l.weight.val().sum().into_scalar()).iter().sum()
+            },
+            shape,
+            &device,
+        ),
+        other => panic!("--memory-child: ffn-moe or ffn-dense, not {other}"),
+    };
+    println!("{}", shape.json(name, "step_mib", mib));
+}
 
 /// Median seconds of `repeats` runs of `f`, after 2 warm-up runs.
 fn median(repeats: usize, mut f: impl FnMut()) -> f64 {
@@ -41,20 +164,52 @@ fn main() {
     let (d_model, d_ff) = (value("--d-model", 512), value("--d-ff", 1368));
     let (experts, top_k) = (value("--experts", 8), value("--top-k", 2));
     let (tokens, repeats) = (value("--tokens", 2048), value("--repeats", 5));
+    let shape = Shape {
+        d_model,
+        d_ff,
+        experts,
+        top_k,
+        tokens,
+    };
     let json = args
         .iter()
         .position(|a| a == "--json")
         .map(|i| args[i + 1].clone());
+    if let Some(i) = args.iter().position(|a| a == "--memory-child") {
+        return memory_child(&args[i + 1], shape);
+    }
+    let mut file = json.map(|p| std::fs::File::create(p).expect("--json FILE"));
+    if args.iter().any(|a| a == "--memory") {
+        let me = std::env::current_exe().expect("this benchmark's path");
+        println!(
+            "d_model {d_model}, {experts} experts of d_ff {d_ff}, top-{top_k}, {tokens} tokens: \
+             peak memory of three AdamW steps above the resident set before them"
+        );
+        for name in ["ffn-moe", "ffn-dense"] {
+            let out = std::process::Command::new(&me)
+                .args(&args[1..])
+                .args(["--memory-child", name])
+                .output()
+                .expect("run the memory child");
+            assert!(
+                out.status.success(),
+                "{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            let line = String::from_utf8(out.stdout).expect("UTF-8");
+            let row: serde_json::Value = serde_json::from_str(line.trim()).expect("JSON");
+            println!("{name:<10} {:>9.1} MiB", row["step_mib"].as_f64().unwrap());
+            if let Some(file) = file.as_mut() {
+                write!(file, "{line}").expect("write --json");
+            }
+        }
+        return;
+    }
 
     let device = Device::flex().autodiff();
     device.seed(0);
-    let swiglu = |d_ff| {
-        FeedForwardConfig::new(d_model, d_ff)
-            .with_activation(Activation::Silu)
-            .with_gated(true)
-    };
-    let moe = MoeConfig::new(swiglu(d_ff), experts, top_k).init(&device);
-    let dense = swiglu(top_k * d_ff).init(&device);
+    let moe = shape.moe().init(&device);
+    let dense = shape.swiglu(top_k * d_ff).init(&device);
     let normal = || Tensor::<2>::random([tokens, d_model], Distribution::Normal(0.0, 1.0), &device);
     let (x, g) = (normal().require_grad(), normal());
 
@@ -74,16 +229,10 @@ fn main() {
          median of {repeats}, {threads} threads; BLAS: {}",
         ffn::model::blas_library().unwrap_or("none")
     );
-    let mut file = json.map(|p| std::fs::File::create(p).expect("--json FILE"));
     for (name, seconds) in rows {
         println!("{name:<10} {:>9.1} ms", seconds * 1e3);
         if let Some(file) = file.as_mut() {
-            writeln!(
-                file,
-                r#"{{"impl":"{name}","d_model":{d_model},"d_ff":{d_ff},"experts":{experts},"top_k":{top_k},"tokens":{tokens},"ms":{}}}"#,
-                seconds * 1e3
-            )
-            .expect("write --json");
+            writeln!(file, "{}", shape.json(name, "ms", seconds * 1e3)).expect("write --json");
         }
     }
 }

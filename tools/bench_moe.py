@@ -8,6 +8,11 @@ rounds and keeping each row's faster round. Prints one table with times and rati
     pip install torch transformers
     python3 tools/bench_moe.py                       # d_model 512 and 1024, 8 experts, top-2
     python3 tools/bench_moe.py --shapes 512:1365:2048  # d_model:d_ff:tokens (any d_ff)
+    python3 tools/bench_moe.py --memory              # peak memory of a training step
+
+--memory: the peak memory of three AdamW steps (the input gradient taken) above the resident
+set before them, each layer in a fresh process, measured as `cargo bench --bench moe --
+--memory` does (Linux's VmHWM, reset through /proc/self/clear_refs).
 """
 
 import argparse
@@ -34,10 +39,68 @@ def median(repeats, f):
     return sorted(times)[len(times) // 2]
 
 
-def torch_rows(d_model, d_ff, experts, top_k, tokens, repeats):
+TORCH_IMPLS = ["transformers-grouped_mm", "transformers-eager", "torch-dense"]
+
+
+def torch_layer(name, d_model, d_ff, experts, top_k):
+    """The transformers Mixtral block with one experts implementation, or the dense SwiGLU of
+    the same active width, as a module."""
+    if name == "torch-dense":
+        return DenseSwiGLU(d_model, top_k * d_ff)
     from transformers import MixtralConfig
     from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 
+    cfg = MixtralConfig(hidden_size=d_model, intermediate_size=d_ff, num_local_experts=experts,
+                        num_experts_per_tok=top_k)
+    cfg._experts_implementation = name.removeprefix("transformers-")
+    block = MixtralSparseMoeBlock(cfg)
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    return block
+
+
+class DenseSwiGLU(torch.nn.Module):
+    def __init__(self, d_model, d_ff):
+        super().__init__()
+        self.w_gate, self.w_up = (torch.nn.Parameter(torch.randn(d_ff, d_model) * 0.02)
+                                  for _ in range(2))
+        self.w_down = torch.nn.Parameter(torch.randn(d_model, d_ff) * 0.02)
+
+    def forward(self, x):
+        return F.linear(F.silu(F.linear(x, self.w_gate)) * F.linear(x, self.w_up), self.w_down)
+
+
+def status_mib(field):
+    """A field of /proc/self/status in MiB."""
+    for line in open("/proc/self/status"):
+        if line.startswith(field):
+            return int(line.split()[1]) / 1024
+    raise KeyError(field)
+
+
+def memory_child(name, d_model, d_ff, experts, top_k, tokens):
+    """In a fresh process: one JSON row, the peak memory of three AdamW steps."""
+    torch.manual_seed(0)
+    layer = torch_layer(name, d_model, d_ff, experts, top_k)
+    x = torch.randn(1, tokens, d_model, requires_grad=True)
+    g = torch.randn(1, tokens, d_model)
+    optim = torch.optim.AdamW(layer.parameters(), lr=1e-4)
+    before = status_mib("VmRSS:")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    for _ in range(3):
+        optim.zero_grad(set_to_none=True)
+        x.grad = None
+        (layer(x) * g).sum().backward()
+        x.grad.sum().item()
+        optim.step()
+        sum(p.sum().item() for p in layer.parameters())
+    print(json.dumps({"impl": name, "d_model": d_model, "d_ff": d_ff, "experts": experts,
+                      "top_k": top_k, "tokens": tokens,
+                      "step_mib": round(status_mib("VmHWM:") - before, 1)}))
+
+
+def torch_rows(d_model, d_ff, experts, top_k, tokens, repeats):
     torch.manual_seed(0)
     x = torch.randn(1, tokens, d_model, requires_grad=True)
     g = torch.randn(1, tokens, d_model)
@@ -51,24 +114,48 @@ def torch_rows(d_model, d_ff, experts, top_k, tokens, repeats):
         return run
 
     rows = {}
-    for implementation in ["grouped_mm", "eager"]:
-        cfg = MixtralConfig(hidden_size=d_model, intermediate_size=d_ff, num_local_experts=experts,
-                            num_experts_per_tok=top_k)
-        cfg._experts_implementation = implementation
-        block = MixtralSparseMoeBlock(cfg)
-        for p in block.parameters():
-            torch.nn.init.normal_(p, std=0.02)
+    for name in TORCH_IMPLS:
+        layer = torch_layer(name, d_model, d_ff, experts, top_k)
         try:
-            rows[f"transformers-{implementation}"] = median(repeats, fwd_bwd(block)) * 1e3
+            rows[name] = median(repeats, fwd_bwd(layer)) * 1e3
         except Exception as e:  # grouped_mm refuses some shapes on the CPU
-            print(f"transformers {implementation} failed: {str(e).splitlines()[0]}", file=sys.stderr)
-    w_gate, w_up = (torch.randn(top_k * d_ff, d_model) * 0.02 for _ in range(2))
-    w_down = torch.randn(d_model, top_k * d_ff) * 0.02
-    for w in (w_gate, w_up, w_down):
-        w.requires_grad_(True)
-    rows["torch-dense"] = median(repeats, fwd_bwd(
-        lambda x: F.linear(F.silu(F.linear(x, w_gate)) * F.linear(x, w_up), w_down))) * 1e3
+            print(f"{name} failed: {str(e).splitlines()[0]}", file=sys.stderr)
     return rows
+
+
+def memory(args, root, env):
+    """Peak memory of a training step: each layer in a fresh process, one table."""
+    cargo = ["cargo", "bench", "--bench", "moe"]
+    subprocess.run(cargo + ["--no-run"], cwd=root, env=env, check=True)
+    names = ["ffn-moe", "ffn-dense"] + TORCH_IMPLS
+    print(f"\nPeak memory of three AdamW steps above the resident set before them (MiB), "
+          f"{args.experts} experts, top-{args.top_k}, SwiGLU experts, the input gradient taken; "
+          "each layer in a fresh process\n")
+    print("| d_model | expert d_ff | tokens | " + " | ".join(f"{n} MiB" for n in names)
+          + " | ffn-moe / transformers best |")
+    print("|" + "---|" * (len(names) + 4))
+    for shape in args.shapes.split(","):
+        d_model, d_ff, tokens = map(int, shape.split(":"))
+        mib = {}
+        with tempfile.NamedTemporaryFile(suffix=".jsonl") as rows:
+            subprocess.run(cargo + ["--", "--memory", "--d-model", str(d_model), "--d-ff",
+                                    str(d_ff), "--experts", str(args.experts), "--top-k",
+                                    str(args.top_k), "--tokens", str(tokens), "--json", rows.name],
+                           cwd=root, env=env, check=True, stdout=sys.stderr)
+            mib.update({r["impl"]: r["step_mib"] for r in map(json.loads, open(rows.name))})
+        for name in TORCH_IMPLS:
+            out = subprocess.run([sys.executable, __file__, "--threads", str(args.threads),
+                                  "--memory-child", name, str(d_model), str(d_ff),
+                                  str(args.experts), str(args.top_k), str(tokens)],
+                                 env=env, capture_output=True, text=True)
+            if out.returncode == 0:
+                mib[name] = json.loads(out.stdout.strip().splitlines()[-1])["step_mib"]
+            else:
+                print(f"{name} failed: {out.stderr.strip().splitlines()[-1]}", file=sys.stderr)
+        cells = [f"{mib[n]:.1f}" if n in mib else "fails" for n in names]
+        hf = [mib[n] for n in TORCH_IMPLS if n.startswith("transformers") and n in mib]
+        ratio = f"{mib['ffn-moe'] / min(hf):.2f}" if hf else "-"
+        print(f"| {d_model} | {d_ff} | {tokens} | " + " | ".join(cells) + f" | {ratio} |")
 
 
 def main():
@@ -80,10 +167,18 @@ def main():
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--memory", action="store_true")
+    parser.add_argument("--memory-child", nargs=6,
+                        metavar=("IMPL", "D_MODEL", "D_FF", "EXPERTS", "TOP_K", "TOKENS"))
     args = parser.parse_args()
     root = Path(__file__).resolve().parent.parent
     env = dict(os.environ, RAYON_NUM_THREADS=str(args.threads))
     torch.set_num_threads(args.threads)
+    if args.memory_child:
+        name, *numbers = args.memory_child
+        return memory_child(name, *map(int, numbers))
+    if args.memory:
+        return memory(args, root, env)
     cargo = ["cargo", "bench", "--bench", "moe"]
     subprocess.run(cargo + ["--no-run"], cwd=root, env=env, check=True)
     best = {}
