@@ -34,12 +34,14 @@
 //! ```
 
 use std::io::Write;
-use std::time::Instant;
 
 use burn::nn::{LayerNorm, LayerNormConfig};
 use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::{Device, Distribution, Tensor};
 use ffn::model::{FeedForward, FeedForwardConfig, Memory, Variant};
+
+mod common;
+use common::{median, status_mib};
 
 /// `(d_model, tokens)`: BERT-base-like at 2048 tokens, Transformer-base-like at 4096.
 const SHAPES: [(usize, usize); 2] = [(512, 4096), (768, 2048)];
@@ -66,22 +68,6 @@ fn backends(wanted: Option<&[String]>) -> Vec<(&'static str, Device)> {
         .filter(|(name, _)| wanted.is_none_or(|w| w.iter().any(|n| n == name)))
         .filter_map(|(name, device)| Some((name, device()?)))
         .collect()
-}
-
-/// Median seconds of `repeats` runs of `f`, after 2 warm-up runs.
-fn median(repeats: usize, mut f: impl FnMut()) -> f64 {
-    for _ in 0..2 {
-        f();
-    }
-    let mut times: Vec<f64> = (0..repeats)
-        .map(|_| {
-            let start = Instant::now();
-            f();
-            start.elapsed().as_secs_f64()
-        })
-        .collect();
-    times.sort_by(f64::total_cmp);
-    times[times.len() / 2]
 }
 
 /// The FFN computed through the op or composed from burn's ops.
@@ -113,17 +99,6 @@ const MEMORY_SETUPS: [(&str, bool, Memory); 4] = [
 
 /// Every timed mode, in table order.
 const MODES: [&str; 5] = ["forward", "fwd+bwd", "fwd+bwd-w", "step", "block"];
-
-/// A field of `/proc/self/status` in MiB (Linux).
-fn status_mib(field: &str) -> f64 {
-    let status = std::fs::read_to_string("/proc/self/status").expect("/proc/self/status (Linux)");
-    let line = status
-        .lines()
-        .find(|l| l.starts_with(field))
-        .unwrap_or_else(|| panic!("{field} in /proc/self/status"));
-    let kib: f64 = line.split_whitespace().nth(1).unwrap().parse().unwrap();
-    kib / 1024.0
-}
 
 /// In a fresh process: the peak memory of three AdamW steps of one configuration, as one
 /// JSON object on stdout.

@@ -17,12 +17,14 @@
 //! ```
 
 use std::io::Write;
-use std::time::Instant;
 
 use burn::module::Module;
 use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::{Device, Distribution, Tensor};
 use ffn::model::{Activation, FeedForwardConfig, MoeConfig};
+
+mod common;
+use common::{median, status_mib};
 
 /// The layer's shape.
 #[derive(Clone, Copy)]
@@ -58,17 +60,6 @@ impl Shape {
             r#"{{"impl":"{name}","d_model":{d_model},"d_ff":{d_ff},"experts":{experts},"top_k":{top_k},"tokens":{tokens},"{field}":{value:.1}}}"#
         )
     }
-}
-
-/// A field of `/proc/self/status` in MiB (Linux).
-fn status_mib(field: &str) -> f64 {
-    let status = std::fs::read_to_string("/proc/self/status").expect("/proc/self/status (Linux)");
-    let line = status
-        .lines()
-        .find(|l| l.starts_with(field))
-        .unwrap_or_else(|| panic!("{field} in /proc/self/status"));
-    let kib: f64 = line.split_whitespace().nth(1).unwrap().parse().unwrap();
-    kib / 1024.0
 }
 
 /// Three AdamW steps of `model` (`L = Σ forward(x) ⊙ g`, the input's gradient taken); returns
@@ -135,22 +126,6 @@ fn memory_child(name: &str, shape: Shape) {
         other => panic!("--memory-child: ffn-moe or ffn-dense, not {other}"),
     };
     println!("{}", shape.json(name, "step_mib", mib));
-}
-
-/// Median seconds of `repeats` runs of `f`, after 2 warm-up runs.
-fn median(repeats: usize, mut f: impl FnMut()) -> f64 {
-    for _ in 0..2 {
-        f();
-    }
-    let mut times: Vec<f64> = (0..repeats)
-        .map(|_| {
-            let start = Instant::now();
-            f();
-            start.elapsed().as_secs_f64()
-        })
-        .collect();
-    times.sort_by(f64::total_cmp);
-    times[times.len() / 2]
 }
 
 fn main() {
