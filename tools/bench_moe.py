@@ -21,22 +21,12 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-
-def median(repeats, f):
-    for _ in range(2):
-        f()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        f()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
+from bench_torch import median, status_mib  # the same timing and memory readings
 
 
 TORCH_IMPLS = ["transformers-grouped_mm", "transformers-eager", "torch-dense"]
@@ -68,14 +58,6 @@ class DenseSwiGLU(torch.nn.Module):
 
     def forward(self, x):
         return F.linear(F.silu(F.linear(x, self.w_gate)) * F.linear(x, self.w_up), self.w_down)
-
-
-def status_mib(field):
-    """A field of /proc/self/status in MiB."""
-    for line in open("/proc/self/status"):
-        if line.startswith(field):
-            return int(line.split()[1]) / 1024
-    raise KeyError(field)
 
 
 def memory_child(name, d_model, d_ff, experts, top_k, tokens):

@@ -499,42 +499,29 @@ impl Sweep {
         if let Some(dup) = first_duplicate(&names) {
             return fail(format!("variant {dup} is listed twice"));
         }
+        let index = |name: &str| config.variants.iter().position(|v| v.is(name));
+        let baseline = index(&config.baseline);
+        let mut tested = Vec::new();
         for pair in &config.pairs {
-            let found = pair
-                .clone()
-                .map(|name| config.variants.iter().position(|v| v.is(&name)).ok_or(name));
-            let baseline = config.variants.iter().position(|v| v.is(&config.baseline));
-            let twice = config
-                .pairs
-                .iter()
-                .filter(|p| {
-                    let same =
-                        |x: &str, y: &str| config.variants.iter().any(|v| v.is(x) && v.is(y));
-                    (same(&p[0], &pair[0]) && same(&p[1], &pair[1]))
-                        || (same(&p[0], &pair[1]) && same(&p[1], &pair[0]))
-                })
-                .count()
-                > 1;
-            match found {
-                [Ok(a), Ok(b)] if a == b => {
-                    return fail(format!("pair {pair:?} compares a variant with itself"));
-                }
-                [Ok(a), Ok(b)] if baseline == Some(a) || baseline == Some(b) => {
-                    return fail(format!(
-                        "pair {pair:?}: every variant is tested against the baseline already"
-                    ));
-                }
-                [Ok(_), Ok(_)] if twice => {
-                    return fail(format!("pair {pair:?} is listed twice"));
-                }
-                [Ok(_), Ok(_)] => {}
-                [Err(name), _] | [_, Err(name)] => {
-                    return fail(format!(
-                        "pair {pair:?}: {} is not among the variants",
-                        ffn_model::printable(&name, 80)
-                    ));
-                }
+            let (Some(a), Some(b)) = (index(&pair[0]), index(&pair[1])) else {
+                let missing = &pair[usize::from(index(&pair[0]).is_some())];
+                return fail(format!(
+                    "pair {pair:?}: {} is not among the variants",
+                    ffn_model::printable(missing, 80)
+                ));
+            };
+            if a == b {
+                return fail(format!("pair {pair:?} compares a variant with itself"));
             }
+            if baseline == Some(a) || baseline == Some(b) {
+                return fail(format!(
+                    "pair {pair:?}: every variant is tested against the baseline already"
+                ));
+            }
+            if tested.contains(&(a.min(b), a.max(b))) {
+                return fail(format!("pair {pair:?} is listed twice"));
+            }
+            tested.push((a.min(b), a.max(b)));
         }
         if let Some(dup) = first_duplicate(&config.seeds) {
             return fail(format!("seed {dup} is listed twice"));
