@@ -22,12 +22,17 @@
 //! `tools/bench_torch.py --memory` does the same for PyTorch. Configurations: `memory = "save"`
 //! and `"recompute"`, unfused and fused.
 //!
+//! Timings run with freed memory kept mapped (`ffn_model::keep_freed_memory`, as `ffn-train`
+//! runs; `--plain-allocator`: glibc's defaults); `tools/bench_torch.py` gives PyTorch the same.
+//! Memory is measured with glibc's defaults on both sides.
+//!
 //! ```text
 //! cargo bench --bench ffn                            # the table
 //! cargo bench --bench ffn -- --json rows.jsonl       # also one JSON object per row
 //! cargo bench --bench ffn -- --repeats 3 --variants SwiGLU,FFN_GELU --modes fwd+bwd,block
 //! cargo bench --bench ffn -- --memory                # peak memory of a training step
 //! cargo bench --bench ffn -- --memory-mode recompute  # times with memory = "recompute"
+//! cargo bench --bench ffn -- --plain-allocator       # times with glibc's default allocator
 //! cargo bench --bench ffn --features wgpu -- --backends wgpu   # on the GPU
 //! python3 tools/bench_compare.py                     # side by side with PyTorch, ratios
 //! python3 tools/bench_compare.py --memory            # the same for memory
@@ -232,8 +237,9 @@ fn main() {
         Some(other) => panic!("--memory-mode: save or recompute, not {other}"),
     };
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let allocator = common::allocator(&args);
     println!(
-        "FFN benchmark: median of {repeats}, {threads} threads, GFLOP/s of the matrix products; BLAS: {}",
+        "FFN benchmark: median of {repeats}, {threads} threads, GFLOP/s of the matrix products; BLAS: {}; allocator: {allocator}",
         ffn::model::blas_library().unwrap_or("none (Flex's gemm)")
     );
     println!(

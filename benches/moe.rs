@@ -4,6 +4,10 @@
 //! with the `transformers` Mixtral block and a dense PyTorch SwiGLU, and prints the ratios.
 //!
 //!
+//! Timings run with freed memory kept mapped (`ffn_model::keep_freed_memory`, as `ffn-train`
+//! runs; `--plain-allocator`: glibc's defaults), and `tools/bench_moe.py` gives PyTorch the
+//! same; memory is measured with glibc's defaults on both sides.
+//!
 //! `--memory` measures instead the peak memory of a training step: each layer in a fresh
 //! process, the resident set's high-water mark over three AdamW steps with the input gradient
 //! (from `/proc/self/status`, reset through `/proc/self/clear_refs`) minus the resident set
@@ -12,6 +16,7 @@
 //! ```text
 //! cargo bench --bench moe -- --d-model 512 --d-ff 1368 --experts 8 --top-k 2 --tokens 2048
 //! cargo bench --bench moe -- --memory          # peak memory of a training step
+//! cargo bench --bench moe -- --plain-allocator # times with glibc's default allocator
 //! python3 tools/bench_moe.py                   # both shapes of the issue, with transformers
 //! python3 tools/bench_moe.py --memory          # the same for memory
 //! ```
@@ -181,6 +186,7 @@ fn main() {
         return;
     }
 
+    let allocator = common::allocator(&args);
     let device = Device::flex().autodiff();
     device.seed(0);
     let moe = shape.moe().init(&device);
@@ -201,7 +207,7 @@ fn main() {
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     println!(
         "d_model {d_model}, {experts} experts of d_ff {d_ff}, top-{top_k}, {tokens} tokens, fwd+bwd with dx, \
-         median of {repeats}, {threads} threads; BLAS: {}",
+         median of {repeats}, {threads} threads; BLAS: {}; allocator: {allocator}",
         ffn::model::blas_library().unwrap_or("none")
     );
     for (name, seconds) in rows {

@@ -8,6 +8,10 @@ ffn is faster), as a Markdown table.
                                    [--modes fwd+bwd,block] [--paths op,composed]
     python3 tools/bench_compare.py --memory [--features ndarray] [--variants ...]
 
+Timings run with freed memory kept mapped on both sides (ffn_model::keep_freed_memory, as
+ffn-train runs, and the same glibc settings for PyTorch); --plain-allocator: glibc's defaults on
+both sides.
+
 --memory compares the peak memory of a training step instead (both sides: three AdamW steps,
 resident-set high-water mark above the resident set before them, a fresh process each).
 
@@ -41,6 +45,9 @@ def main():
     parser.add_argument("--modes", default="forward,fwd+bwd,fwd+bwd-w,step,block")
     parser.add_argument("--paths", default="op,composed", help="ffn paths: op, composed")
     parser.add_argument("--memory", action="store_true")
+    parser.add_argument("--plain-allocator", action="store_true",
+                        help="time both sides with glibc's default allocator settings (default: "
+                             "both keep freed memory mapped, as ffn-train runs)")
     args = parser.parse_args()
     env = dict(os.environ, RAYON_NUM_THREADS=str(args.threads))
     with tempfile.NamedTemporaryFile(suffix=".jsonl", delete=False) as f:
@@ -56,6 +63,9 @@ def main():
     if args.memory:
         cargo.append("--memory")
         torch_cmd.append("--memory")
+    elif args.plain_allocator:
+        cargo.append("--plain-allocator")
+        torch_cmd.append("--plain-allocator")
     # ffn and PyTorch take turns, variant by variant, for `rounds` rounds: a slow spell of a
     # shared machine then hits both sides of a row, and the fastest round of each is kept.
     ours, theirs = [], []

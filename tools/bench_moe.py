@@ -10,6 +10,9 @@ rounds and keeping each row's faster round. Prints one table with times and rati
     python3 tools/bench_moe.py --shapes 512:1365:2048  # d_model:d_ff:tokens (any d_ff)
     python3 tools/bench_moe.py --memory              # peak memory of a training step
 
+Timings run with freed memory kept mapped on both sides (ffn_model::keep_freed_memory, as
+ffn-train runs, and the same glibc settings for PyTorch); --plain-allocator: glibc's defaults.
+
 --memory: the peak memory of three AdamW steps (the input gradient taken) above the resident
 set before them, each layer in a fresh process, measured as `cargo bench --bench moe --
 --memory` does (Linux's VmHWM, reset through /proc/self/clear_refs).
@@ -26,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench_torch import median, status_mib  # the same timing and memory readings
+from bench_torch import keep_freed_memory, median, status_mib  # the same readings
 
 
 TORCH_IMPLS = ["transformers-grouped_mm", "transformers-eager", "torch-dense"]
@@ -150,6 +153,9 @@ def main():
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--memory", action="store_true")
+    parser.add_argument("--plain-allocator", action="store_true",
+                        help="time both sides with glibc's default allocator settings (default: "
+                             "both keep freed memory mapped, as ffn-train runs)")
     parser.add_argument("--memory-child", nargs=6,
                         metavar=("IMPL", "D_MODEL", "D_FF", "EXPERTS", "TOP_K", "TOKENS"))
     args = parser.parse_args()
@@ -161,8 +167,10 @@ def main():
         return memory_child(name, *map(int, numbers))
     if args.memory:
         return memory(args, root, env)
+    allocator = keep_freed_memory(args.plain_allocator)
     cargo = ["cargo", "bench", "--bench", "moe"]
     subprocess.run(cargo + ["--no-run"], cwd=root, env=env, check=True)
+    plain = ["--plain-allocator"] if args.plain_allocator else []
     best = {}
     for _ in range(args.rounds):
         for shape in args.shapes.split(","):
@@ -171,7 +179,7 @@ def main():
                 subprocess.run(cargo + ["--", "--d-model", str(d_model), "--d-ff", str(d_ff),
                                         "--experts", str(args.experts), "--top-k", str(args.top_k),
                                         "--tokens", str(tokens), "--repeats", str(args.repeats),
-                                        "--json", rows.name],
+                                        "--json", rows.name] + plain,
                                cwd=root, env=env, check=True, stdout=sys.stderr)
                 ours = {r["impl"]: r["ms"] for r in map(json.loads, open(rows.name))}
             theirs = torch_rows(d_model, d_ff, args.experts, args.top_k, tokens, args.repeats)
@@ -180,7 +188,7 @@ def main():
                 best[key] = min(best.get(key, float("inf")), ms)
     print(f"\n{args.experts} experts, top-{args.top_k}, SwiGLU experts, fwd+bwd with the input "
           f"gradient, {args.threads} threads, median of {args.repeats}, best of {args.rounds} "
-          "rounds taken in turn\n")
+          f"rounds taken in turn; allocator on both sides: {allocator}\n")
     names = ["ffn-moe", "ffn-dense", "transformers-grouped_mm", "transformers-eager", "torch-dense"]
     print("| d_model | expert d_ff | tokens | " + " | ".join(f"{n} ms" for n in names)
           + " | moe / dense (ffn) | transformers best / ffn-moe |")

@@ -64,6 +64,21 @@ def median(repeats, f):
     return statistics.median(times)
 
 
+def keep_freed_memory(plain=False):
+    """The glibc settings of ffn_model::keep_freed_memory (lib.rs), in this process: freed
+    memory stays mapped for reuse, as the timed ffn side runs. `plain`: leave glibc's defaults.
+    Returns the setting's name for the table's header."""
+    if plain:
+        return "glibc defaults"
+    import ctypes
+    libc = ctypes.CDLL("libc.so.6")
+    M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3
+    libc.mallopt(M_MMAP_THRESHOLD, 256 << 20)
+    libc.mallopt(M_TRIM_THRESHOLD, 1 << 30)
+    libc.mallopt(M_TOP_PAD, 64 << 20)
+    return "freed memory kept (ffn_model::keep_freed_memory)"
+
+
 def status_mib(field):
     """A field of /proc/self/status in MiB."""
     for line in open("/proc/self/status"):
@@ -104,6 +119,8 @@ def main():
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--modes", default="forward,fwd+bwd,fwd+bwd-w,step,block")
     parser.add_argument("--memory", action="store_true")
+    parser.add_argument("--plain-allocator", action="store_true",
+                        help="time with glibc's default allocator settings")
     parser.add_argument("--memory-child", nargs=3, metavar=("VARIANT", "D_MODEL", "TOKENS"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -120,6 +137,7 @@ def main():
                                      check=True, capture_output=True, text=True)
                 print(out.stdout.strip(), flush=True)
         return
+    keep_freed_memory(args.plain_allocator)
     torch.manual_seed(0)
     modes = args.modes.split(",")
     for d_model, tokens in SHAPES:

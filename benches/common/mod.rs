@@ -29,3 +29,15 @@ pub fn status_mib(field: &str) -> f64 {
     let kib: f64 = line.split_whitespace().nth(1).unwrap().parse().unwrap();
     kib / 1024.0
 }
+
+/// The allocator the timings run with: `ffn_model::keep_freed_memory` (as `ffn-train` runs),
+/// unless `--plain-allocator` asks for glibc's defaults. The comparison scripts give PyTorch the
+/// same setting. Returns its name for the table's header.
+pub fn allocator(args: &[String]) -> &'static str {
+    if args.iter().any(|a| a == "--plain-allocator") {
+        "glibc defaults"
+    } else {
+        ffn::model::keep_freed_memory();
+        "freed memory kept (ffn_model::keep_freed_memory)"
+    }
+}
