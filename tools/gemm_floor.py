@@ -17,12 +17,10 @@ library), the floor for T threads, and the libraries' own T-thread time.
 
 import argparse
 import ctypes
-import statistics
-import time
 
 import torch
 
-from bench_torch import SHAPES
+from bench_torch import SHAPES, median  # the benchmark's shapes and timing
 
 ROW_MAJOR, NO_TRANS, TRANS = 101, 111, 112
 
@@ -65,17 +63,6 @@ def pytorch(ps):
         for a, ta, b, tb, _ in ps:
             (a.t() if ta else a) @ (b.t() if tb else b)
     return run
-
-
-def median(repeats, f):
-    for _ in range(2):
-        f()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        f()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def main():
