@@ -46,7 +46,7 @@ use burn::tensor::{Device, Distribution, Tensor};
 use ffn::model::{FeedForward, FeedForwardConfig, Memory, Variant};
 
 mod common;
-use common::{median, status_mib};
+use common::{median, memory_child_row, step_memory};
 
 /// `(d_model, tokens)`: BERT-base-like at 2048 tokens, Transformer-base-like at 4096.
 const SHAPES: [(usize, usize); 2] = [(512, 4096), (768, 2048)];
@@ -121,34 +121,23 @@ fn memory_child(backend: &str, variant: Variant, d_model: usize, tokens: usize, 
     let config = FeedForwardConfig::preset(variant, d_model)
         .with_fused_gate_up(fused)
         .with_memory(memory);
-    let mut model = config.init(&autodiff);
-    let x = Tensor::<2>::random([tokens, d_model], Distribution::Normal(0.0, 1.0), &autodiff)
-        .require_grad();
-    let g = Tensor::<2>::random([tokens, d_model], Distribution::Normal(0.0, 1.0), &autodiff);
-    let _: f32 = (x.clone().sum() + g.clone().sum()).into_scalar();
-    let _: f32 = model.down().weight.val().sum().into_scalar(); // weights drawn
-    let mut optim = AdamWConfig::new().init();
-    let before = status_mib("VmRSS:");
-    std::fs::write("/proc/self/clear_refs", "5").expect("reset the RSS high-water mark");
-    for _ in 0..3 {
-        let grads = loss(&model, x.clone(), &g, Path::Op).backward();
-        let _: f32 = x.grad(&grads).expect("dx").sum().into_scalar();
-        let grads = GradientsParams::from_grads(grads, &model);
-        model = optim.step(1e-4, model, grads);
-        let _: f32 = model.down().weight.val().sum().into_scalar();
-    }
-    let peak = status_mib("VmHWM:");
+    let (step_mib, peak) = step_memory(
+        config.init(&autodiff),
+        |model, x| forward(model, x, Path::Op),
+        |model| model.down().weight.val().sum().into_scalar(),
+        [tokens, d_model],
+        &autodiff,
+    );
     println!(
         r#"{{"impl":"ffn-{backend}","setup":"{setup}","variant":"{}","d_model":{d_model},"d_ff":{},"tokens":{tokens},"mode":"memory","step_mib":{:.1},"peak_rss_mib":{peak:.1}}}"#,
         variant.name(),
         config.d_ff,
-        peak - before,
+        step_mib,
     );
 }
 
 /// Runs [`memory_child`] for every backend, variant and setup, each in its own process.
 fn memory(wanted: Option<&[String]>, variants: &[Variant], json: &mut Option<std::fs::File>) {
-    let me = std::env::current_exe().expect("this benchmark's path");
     println!("Peak memory of three AdamW steps above the resident set before them (MiB)");
     println!(
         "{:<8} {:<13} {:>7} {:>6} {:>6} {:>14} {:>9}",
@@ -162,18 +151,14 @@ fn memory(wanted: Option<&[String]>, variants: &[Variant], json: &mut Option<std
                     if fused && !variant.gated() {
                         continue;
                     }
-                    let out = std::process::Command::new(&me)
-                        .args(["--memory-child", backend, variant.name(), setup])
-                        .args([d_model.to_string(), tokens.to_string()])
-                        .output()
-                        .expect("run the memory child");
-                    assert!(
-                        out.status.success(),
-                        "{}",
-                        String::from_utf8_lossy(&out.stderr)
-                    );
-                    let line = String::from_utf8(out.stdout).expect("UTF-8");
-                    let row: serde_json::Value = serde_json::from_str(line.trim()).expect("JSON");
+                    let (line, row) = memory_child_row(&[
+                        "--memory-child".into(),
+                        backend.into(),
+                        variant.name().into(),
+                        setup.into(),
+                        d_model.to_string(),
+                        tokens.to_string(),
+                    ]);
                     println!(
                         "{backend:<8} {:<13} {d_model:>7} {:>6} {tokens:>6} {setup:>14} {:>9.1}",
                         variant.name(),

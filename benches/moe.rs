@@ -23,13 +23,11 @@
 
 use std::io::Write;
 
-use burn::module::Module;
-use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::{Device, Distribution, Tensor};
 use ffn::model::{Activation, FeedForwardConfig, MoeConfig};
 
 mod common;
-use common::{median, status_mib};
+use common::{median, memory_child_row, step_memory};
 
 /// The layer's shape.
 #[derive(Clone, Copy)]
@@ -67,67 +65,39 @@ impl Shape {
     }
 }
 
-/// Three AdamW steps of `model` (`L = Σ forward(x) ⊙ g`, the input's gradient taken); returns
-/// the peak resident memory above the resident set before them, in MiB. `probe` reads every
-/// weight: they are drawn before the measurement (burn initialises parameters lazily), and
-/// each step waits for its update.
-fn step_memory<M: Module>(
-    mut model: M,
-    forward: impl Fn(&M, Tensor<2>) -> Tensor<2>,
-    probe: impl Fn(&M) -> f32,
-    shape: Shape,
-    device: &Device,
-) -> f64 {
-    let normal = || {
-        Tensor::<2>::random(
-            [shape.tokens, shape.d_model],
-            Distribution::Normal(0.0, 1.0),
-            device,
-        )
-    };
-    let (x, g) = (normal().require_grad(), normal());
-    let _: f32 = (x.clone().sum() + g.clone().sum()).into_scalar();
-    probe(&model);
-    let mut optim = AdamWConfig::new().init();
-    let before = status_mib("VmRSS:");
-    std::fs::write("/proc/self/clear_refs", "5").expect("reset the RSS high-water mark");
-    for _ in 0..3 {
-        let grads = (forward(&model, x.clone()) * g.clone()).sum().backward();
-        let _: f32 = x.grad(&grads).expect("dx").sum().into_scalar();
-        let grads = GradientsParams::from_grads(grads, &model);
-        model = optim.step(1e-4, model, grads);
-        probe(&model);
-    }
-    status_mib("VmHWM:") - before
-}
-
 /// In a fresh process: the peak memory of three training steps of `name` (`ffn-moe` or
 /// `ffn-dense`), as one JSON object on stdout.
 fn memory_child(name: &str, shape: Shape) {
     let device = Device::flex().autodiff();
     device.seed(0);
     let mib = match name {
-        "ffn-moe" => step_memory(
-            shape.moe().init(&device),
-            |m, x| m.forward(x).output,
-            |m| {
-                let w = [m.w_gate().unwrap(), m.w_up(), m.w_down()];
-                let experts: f32 = w.map(|w| w.val().sum().into_scalar()).iter().sum();
-                experts + m.router().weight.val().sum().into_scalar::<f32>()
-            },
-            shape,
-            &device,
-        ),
-        "ffn-dense" => step_memory(
-            shape.swiglu(shape.top_k * shape.d_ff).init(&device),
-            |m, x| m.forward(x),
-            |m| {
-                let w = [m.gate().unwrap(), m.up().unwrap(), m.down()];
-                w.map(|l| l.weight.val().sum().into_scalar()).iter().sum()
-            },
-            shape,
-            &device,
-        ),
+        "ffn-moe" => {
+            step_memory(
+                shape.moe().init(&device),
+                |m, x| m.forward(x).output,
+                |m| {
+                    let w = [m.w_gate().unwrap(), m.w_up(), m.w_down()];
+                    let experts: f32 = w.map(|w| w.val().sum().into_scalar()).iter().sum();
+                    experts + m.router().weight.val().sum().into_scalar::<f32>()
+                },
+                [shape.tokens, shape.d_model],
+                &device,
+            )
+            .0
+        }
+        "ffn-dense" => {
+            step_memory(
+                shape.swiglu(shape.top_k * shape.d_ff).init(&device),
+                |m, x| m.forward(x),
+                |m| {
+                    let w = [m.gate().unwrap(), m.up().unwrap(), m.down()];
+                    w.map(|l| l.weight.val().sum().into_scalar()).iter().sum()
+                },
+                [shape.tokens, shape.d_model],
+                &device,
+            )
+            .0
+        }
         other => panic!("--memory-child: ffn-moe or ffn-dense, not {other}"),
     };
     println!("{}", shape.json(name, "step_mib", mib));
@@ -160,24 +130,14 @@ fn main() {
     }
     let mut file = json.map(|p| std::fs::File::create(p).expect("--json FILE"));
     if args.iter().any(|a| a == "--memory") {
-        let me = std::env::current_exe().expect("this benchmark's path");
         println!(
             "d_model {d_model}, {experts} experts of d_ff {d_ff}, top-{top_k}, {tokens} tokens: \
              peak memory of three AdamW steps above the resident set before them"
         );
         for name in ["ffn-moe", "ffn-dense"] {
-            let out = std::process::Command::new(&me)
-                .args(&args[1..])
-                .args(["--memory-child", name])
-                .output()
-                .expect("run the memory child");
-            assert!(
-                out.status.success(),
-                "{}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-            let line = String::from_utf8(out.stdout).expect("UTF-8");
-            let row: serde_json::Value = serde_json::from_str(line.trim()).expect("JSON");
+            let mut child = args[1..].to_vec();
+            child.extend(["--memory-child".to_string(), name.to_string()]);
+            let (line, row) = memory_child_row(&child);
             println!("{name:<10} {:>9.1} MiB", row["step_mib"].as_f64().unwrap());
             if let Some(file) = file.as_mut() {
                 write!(file, "{line}").expect("write --json");

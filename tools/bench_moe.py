@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench_torch import keep_freed_memory, median, status_mib  # the same readings
+from bench_torch import keep_freed_memory, median, step_memory  # the same readings
 
 
 TORCH_IMPLS = ["transformers-grouped_mm", "transformers-eager", "torch-dense"]
@@ -69,20 +69,10 @@ def memory_child(name, d_model, d_ff, experts, top_k, tokens):
     layer = torch_layer(name, d_model, d_ff, experts, top_k)
     x = torch.randn(1, tokens, d_model, requires_grad=True)
     g = torch.randn(1, tokens, d_model)
-    optim = torch.optim.AdamW(layer.parameters(), lr=1e-4)
-    before = status_mib("VmRSS:")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    for _ in range(3):
-        optim.zero_grad(set_to_none=True)
-        x.grad = None
-        (layer(x) * g).sum().backward()
-        x.grad.sum().item()
-        optim.step()
-        sum(p.sum().item() for p in layer.parameters())
+    step, _ = step_memory(layer, x, g)
     print(json.dumps({"impl": name, "d_model": d_model, "d_ff": d_ff, "experts": experts,
                       "top_k": top_k, "tokens": tokens,
-                      "step_mib": round(status_mib("VmHWM:") - before, 1)}))
+                      "step_mib": round(step, 1)}))
 
 
 def torch_rows(d_model, d_ff, experts, top_k, tokens, repeats):

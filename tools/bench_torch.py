@@ -87,13 +87,10 @@ def status_mib(field):
     raise KeyError(field)
 
 
-def memory_child(name, d_model, tokens):
-    """In a fresh process: one JSON row, the peak memory of three AdamW steps."""
-    act, gated = VARIANTS[name]
-    torch.manual_seed(0)
-    model = FeedForward(d_model, d_ff(name, d_model), act, gated)
-    x = torch.randn(tokens, d_model, requires_grad=True)
-    g = torch.randn(tokens, d_model)
+def step_memory(model, x, g):
+    """Three AdamW steps of `model` (`L = Σ model(x) ⊙ g`, the input's gradient taken): the
+    peak resident memory above the resident set before them and the peak itself, in MiB (as
+    benches/common's `step_memory`)."""
     optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
     before = status_mib("VmRSS:")
     with open("/proc/self/clear_refs", "w") as f:
@@ -101,15 +98,25 @@ def memory_child(name, d_model, tokens):
     for _ in range(3):
         optim.zero_grad(set_to_none=True)
         x.grad = None
-        y = model(x)
-        (y * g).sum().backward()
+        (model(x) * g).sum().backward()
         x.grad.sum().item()
         optim.step()
-        model.down.weight.sum().item()
+        sum(p.sum().item() for p in model.parameters())
     peak = status_mib("VmHWM:")
+    return peak - before, peak
+
+
+def memory_child(name, d_model, tokens):
+    """In a fresh process: one JSON row, the peak memory of three AdamW steps."""
+    act, gated = VARIANTS[name]
+    torch.manual_seed(0)
+    model = FeedForward(d_model, d_ff(name, d_model), act, gated)
+    x = torch.randn(tokens, d_model, requires_grad=True)
+    g = torch.randn(tokens, d_model)
+    step, peak = step_memory(model, x, g)
     print(json.dumps({"impl": "pytorch", "setup": "save", "variant": name, "d_model": d_model,
                       "d_ff": d_ff(name, d_model), "tokens": tokens, "mode": "memory",
-                      "step_mib": round(peak - before, 1), "peak_rss_mib": round(peak, 1)}))
+                      "step_mib": round(step, 1), "peak_rss_mib": round(peak, 1)}))
 
 
 def main():

@@ -1,6 +1,11 @@
-//! What both benchmarks measure with: a median of timed runs, and the resident memory.
+//! What both benchmarks measure with: a median of timed runs, the peak memory of training
+//! steps (in a child process each), and the allocator the timings run with.
 
 use std::time::Instant;
+
+use burn::module::Module;
+use burn::optim::{AdamWConfig, GradientsParams};
+use burn::tensor::{Device, Distribution, Tensor};
 
 /// Median seconds of `repeats` runs of `f`, after 2 warm-up runs.
 pub fn median(repeats: usize, mut f: impl FnMut()) -> f64 {
@@ -40,4 +45,51 @@ pub fn allocator(args: &[String]) -> &'static str {
         ffn::model::keep_freed_memory();
         "freed memory kept (ffn_model::keep_freed_memory)"
     }
+}
+
+/// Three AdamW steps of `model` (`L = Σ forward(x) ⊙ g` for `x`, `g` of `[tokens, d_model]`,
+/// the input's gradient taken); returns the peak resident memory above the resident set before
+/// them and the peak itself, in MiB. `probe` reads every weight: they are drawn before the measurement (burn
+/// initialises parameters lazily), and each step waits for its update.
+pub fn step_memory<M: Module>(
+    mut model: M,
+    forward: impl Fn(&M, Tensor<2>) -> Tensor<2>,
+    probe: impl Fn(&M) -> f32,
+    [tokens, d_model]: [usize; 2],
+    device: &Device,
+) -> (f64, f64) {
+    let normal = || Tensor::<2>::random([tokens, d_model], Distribution::Normal(0.0, 1.0), device);
+    let (x, g) = (normal().require_grad(), normal());
+    let _: f32 = (x.clone().sum() + g.clone().sum()).into_scalar();
+    probe(&model);
+    let mut optim = AdamWConfig::new().init();
+    let before = status_mib("VmRSS:");
+    std::fs::write("/proc/self/clear_refs", "5").expect("reset the RSS high-water mark");
+    for _ in 0..3 {
+        let grads = (forward(&model, x.clone()) * g.clone()).sum().backward();
+        let _: f32 = x.grad(&grads).expect("dx").sum().into_scalar();
+        let grads = GradientsParams::from_grads(grads, &model);
+        model = optim.step(1e-4, model, grads);
+        probe(&model);
+    }
+    let peak = status_mib("VmHWM:");
+    (peak - before, peak)
+}
+
+/// Runs this benchmark again with `args` (a `--memory-child` invocation) in a fresh process;
+/// returns the JSON line it printed, as text and parsed.
+pub fn memory_child_row(args: &[String]) -> (String, serde_json::Value) {
+    let me = std::env::current_exe().expect("this benchmark's path");
+    let out = std::process::Command::new(me)
+        .args(args)
+        .output()
+        .expect("run the memory child");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let line = String::from_utf8(out.stdout).expect("UTF-8");
+    let row = serde_json::from_str(line.trim()).expect("JSON");
+    (line, row)
 }
