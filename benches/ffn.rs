@@ -224,8 +224,8 @@ fn main() {
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     let allocator = common::allocator(&args);
     println!(
-        "FFN benchmark: median of {repeats}, {threads} threads, GFLOP/s of the matrix products; BLAS: {}; allocator: {allocator}",
-        ffn::model::blas_library().unwrap_or("none (Flex's gemm)")
+        "FFN benchmark: median of {repeats}, {threads} threads, GFLOP/s of the matrix products; allocator: {allocator}; f32 products: {}",
+        ffn::model::cpu_kernels()
     );
     println!(
         "{:<16} {:<13} {:>7} {:>6} {:>6} {:<9} {:>9} {:>11} {:>8}",

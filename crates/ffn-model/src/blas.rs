@@ -10,6 +10,18 @@
 //! - `FFN_BLAS_THREADS=rayon` (the default) runs the library single-threaded and splits each
 //!   product into one block per rayon thread, so the library's threads never compete with
 //!   Flex's rayon pool; `FFN_BLAS_THREADS=blas` leaves the threading to the library.
+//!
+//! ## The right kernel on a CPU the library does not know
+//!
+//! OpenBLAS picks its kernels by the CPU model it recognises, and takes a CPU newer than itself
+//! for an older one: OpenBLAS 0.3.21 (Debian 12) and 0.3.34 (PyPI) run their AVX2 (`Haswell`)
+//! kernels on AMD Zen 5, whose AVX-512 units then sit idle (its `cblas_sgemm` at about half the
+//! speed it reaches with its AVX-512 kernels, and 0.55–0.6× Flex's own AVX-512 product on the
+//! FFN: BENCHMARKS.md). So when the CPU has AVX-512 and the OpenBLAS found (not one named by
+//! `FFN_BLAS`) reports kernels without it, ffn passes it over and uses Flex's product, whose
+//! `gemm` crate chooses its kernels from the CPU's features. `OPENBLAS_CORETYPE` (set before
+//! the process starts) still tells OpenBLAS which kernels to run; with it set, ffn takes the
+//! library as it is. [`report`] names what was chosen and why.
 
 use std::cell::Cell;
 use std::ffi::{CStr, CString, c_char, c_int, c_void};
@@ -48,6 +60,7 @@ type CblasSgemm = unsafe extern "C" fn(
     ldc: c_int,
 );
 type SetThreads = unsafe extern "C" fn(c_int);
+type GetText = unsafe extern "C" fn() -> *const c_char;
 
 /// A loaded BLAS: its `cblas_sgemm` and how to thread it.
 #[derive(Debug)]
@@ -57,6 +70,17 @@ pub struct Blas {
     pub path: String,
     /// Whether products are split over rayon's threads (the library then runs single-threaded).
     pub rayon: bool,
+    /// OpenBLAS's name for the kernels it runs on this CPU (`None` for other libraries).
+    core: Option<String>,
+    /// The library and its kernels, as a person reads them: `OpenBLAS 0.3.21, Cooperlake kernels`.
+    kernel: String,
+}
+
+impl Blas {
+    /// The library without its kernels: `OpenBLAS 0.3.21`.
+    fn kernel_library(&self) -> &str {
+        self.kernel.split(',').next().unwrap_or(&self.kernel)
+    }
 }
 
 /// A matrix operand: a row-major `rows × cols` matrix at `ptr` with row stride `ld`, used as is
@@ -74,19 +98,58 @@ unsafe impl Sync for Operand {}
 
 /// The BLAS this process uses, loaded on first use; `None` if there is none.
 pub fn get() -> Option<&'static Blas> {
-    static BLAS: OnceLock<Option<Blas>> = OnceLock::new();
-    BLAS.get_or_init(load).as_ref()
+    chosen().0.as_ref()
 }
 
-fn load() -> Option<Blas> {
+/// What the op's f32 matrix products run on, in one line: the library and its kernels (or Flex's
+/// `gemm`, and why), then the CPU and its vector features.
+pub fn report() -> &'static str {
+    &chosen().1
+}
+
+fn chosen() -> &'static (Option<Blas>, String) {
+    static CHOSEN: OnceLock<(Option<Blas>, String)> = OnceLock::new();
+    CHOSEN.get_or_init(|| {
+        let (blas, why) = load();
+        let kernel = match (&blas, why) {
+            (Some(blas), _) => format!("{} ({})", blas.kernel, blas.path),
+            (None, Some(why)) => format!("Flex's gemm: {why}"),
+            (None, None) => "Flex's gemm: no BLAS library found".to_string(),
+        };
+        (blas, format!("{kernel}; CPU: {}", cpu::describe()))
+    })
+}
+
+/// The library to use, or `None` and why not.
+fn load() -> (Option<Blas>, Option<String>) {
     let setting = std::env::var("FFN_BLAS").unwrap_or_default();
     let rayon = std::env::var("FFN_BLAS_THREADS").map_or(true, |v| v != "blas");
-    let candidates: Vec<&str> = match setting.trim() {
-        "" => CANDIDATES.to_vec(),
-        "off" | "0" | "none" => return None,
-        path => vec![path],
+    let (candidates, named): (Vec<&str>, bool) = match setting.trim() {
+        "" => (CANDIDATES.to_vec(), false),
+        "off" | "0" | "none" => return (None, Some("FFN_BLAS=off".into())),
+        path => (vec![path], true),
     };
-    candidates.into_iter().find_map(|path| open(path, rayon))
+    let Some(blas) = candidates.into_iter().find_map(|path| open(path, rayon)) else {
+        return (None, None);
+    };
+    let coretype_set = std::env::var_os("OPENBLAS_CORETYPE").is_some();
+    match &blas.core {
+        Some(core) if !named && !coretype_set && lags(core, cpu::avx512()) => (
+            None,
+            Some(format!(
+                "{} runs its {core} kernels on this AVX-512 CPU",
+                blas.kernel_library()
+            )),
+        ),
+        _ => (Some(blas), None),
+    }
+}
+
+/// Whether OpenBLAS kernels for `core` leave a CPU with AVX-512 (`avx512`) below its width: the
+/// cores with AVX-512 kernels are SkylakeX, Cooperlake and SapphireRapids.
+fn lags(core: &str, avx512: bool) -> bool {
+    let wide = ["skylakex", "cooperlake", "sapphirerapids"];
+    avx512 && !wide.contains(&core.to_ascii_lowercase().as_str())
 }
 
 fn open(path: &str, rayon: bool) -> Option<Blas> {
@@ -103,6 +166,19 @@ fn open(path: &str, rayon: bool) -> Option<Blas> {
     };
     // SAFETY: `cblas_sgemm` has this C signature in every CBLAS.
     let sgemm: CblasSgemm = unsafe { std::mem::transmute::<*mut c_void, CblasSgemm>(sgemm) };
+    // OpenBLAS names its version (`openblas_get_config`: "OpenBLAS 0.3.21 DYNAMIC_ARCH …") and
+    // the kernels it chose for this CPU (`openblas_get_corename`: "Haswell", "Cooperlake", …).
+    let text = |name: &str| {
+        let name = CString::new(format!("{prefix}{name}")).expect("no NUL");
+        let f = symbol(handle, &name)?;
+        // SAFETY: both OpenBLAS functions take nothing and return a static C string.
+        let s = unsafe { std::mem::transmute::<*mut c_void, GetText>(f)() };
+        // SAFETY: a NUL-terminated string owned by the library.
+        (!s.is_null()).then(|| unsafe { CStr::from_ptr(s) }.to_string_lossy().into_owned())
+    };
+    let core = text("openblas_get_corename").map(|c| c.trim().to_string());
+    let version =
+        text("openblas_get_config").and_then(|c| c.split_whitespace().nth(1).map(str::to_string));
     if rayon {
         for setter in [
             "openblas_set_num_threads",
@@ -116,10 +192,21 @@ fn open(path: &str, rayon: bool) -> Option<Blas> {
             }
         }
     }
+    let library = match (&core, version) {
+        (Some(_), Some(v)) => format!("OpenBLAS {v}"),
+        (Some(_), None) => "OpenBLAS".to_string(),
+        _ => path.rsplit('/').next().unwrap_or(path).to_string(),
+    };
+    let kernel = match &core {
+        Some(core) => format!("{library}, {core} kernels"),
+        None => library,
+    };
     Some(Blas {
         sgemm,
         path: path.to_string(),
         rayon,
+        core,
+        kernel,
     })
 }
 
@@ -229,6 +316,94 @@ impl Blas {
                 c,
                 int(ldc),
             )
+        }
+    }
+}
+
+/// The CPU, as the reports name it.
+pub mod cpu {
+    /// Whether the CPU has the AVX-512 subsets that BLAS kernels and Flex's `gemm` use (F, BW,
+    /// VL, DQ).
+    pub fn avx512() -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            std::arch::is_x86_feature_detected!("avx512f")
+                && std::arch::is_x86_feature_detected!("avx512bw")
+                && std::arch::is_x86_feature_detected!("avx512vl")
+                && std::arch::is_x86_feature_detected!("avx512dq")
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        false
+    }
+
+    /// `AMD EPYC (family 25, model 17), avx2 fma avx512f avx512bw avx512vl avx512_bf16`: the
+    /// name, family and model the OS reports (Linux), and the vector features that decide the
+    /// kernels.
+    pub fn describe() -> String {
+        let mut name = std::env::consts::ARCH.to_string();
+        if let Ok(info) = std::fs::read_to_string("/proc/cpuinfo") {
+            let field = |key: &str| {
+                info.lines()
+                    .find(|l| l.split(':').next().is_some_and(|k| k.trim() == key))
+                    .and_then(|l| l.split_once(':'))
+                    .map(|(_, v)| v.trim().to_string())
+            };
+            if let Some(model_name) = field("model name") {
+                name = model_name;
+            }
+            if let (Some(family), Some(model)) = (field("cpu family"), field("model")) {
+                name = format!("{name} (family {family}, model {model})");
+            }
+        }
+        #[allow(unused_mut)]
+        let mut flags: Vec<&str> = Vec::new();
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::is_x86_feature_detected as has;
+            for (flag, present) in [
+                ("avx2", has!("avx2")),
+                ("fma", has!("fma")),
+                ("avx512f", has!("avx512f")),
+                ("avx512bw", has!("avx512bw")),
+                ("avx512vl", has!("avx512vl")),
+                ("avx512_bf16", has!("avx512bf16")),
+            ] {
+                if present {
+                    flags.push(flag);
+                }
+            }
+        }
+        if flags.is_empty() {
+            name
+        } else {
+            format!("{name}, {}", flags.join(" "))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// OpenBLAS's AVX2 kernels are passed over on an AVX-512 CPU only.
+    #[test]
+    fn only_kernels_narrower_than_the_cpu_lag() {
+        for core in ["Haswell", "Zen", "Sandybridge", "Prescott"] {
+            assert!(lags(core, true), "{core}");
+            assert!(!lags(core, false), "{core}");
+        }
+        for core in ["SkylakeX", "Cooperlake", "SAPPHIRERAPIDS"] {
+            assert!(!lags(core, true), "{core}");
+        }
+    }
+
+    #[test]
+    fn the_report_names_the_kernel_and_the_cpu() {
+        let report = report();
+        assert!(report.contains("; CPU: "), "{report}");
+        match get() {
+            Some(blas) => assert!(report.starts_with(&blas.kernel), "{report}"),
+            None => assert!(report.starts_with("Flex's gemm"), "{report}"),
         }
     }
 }

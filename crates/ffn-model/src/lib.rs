@@ -107,9 +107,17 @@ pub fn keep_freed_memory() {
     }
 }
 
-/// The BLAS library whose SGEMM the FFN op uses on Flex (loaded at run time on first use; see
-/// the `FFN_BLAS` variable in the README), or `None` when it uses Flex's own matrix product.
+/// What the FFN op's f32 matrix products run on, in one line: the BLAS library and its kernels
+/// (or Flex's own `gemm`, and why), then the CPU and its vector features. The library is loaded
+/// at run time on first use (the `FFN_BLAS` variable in the README); on a CPU with AVX-512 an
+/// OpenBLAS that runs only its AVX2 kernels there (it does not know the CPU) is passed over
+/// for Flex's AVX-512 product.
+///
+/// ```
+/// let report = ffn_model::cpu_kernels();
+/// assert!(report.contains("; CPU: "));
+/// ```
 #[cfg(feature = "flex")]
-pub fn blas_library() -> Option<&'static str> {
-    blas::get().map(|blas| blas.path.as_str())
+pub fn cpu_kernels() -> &'static str {
+    blas::report()
 }

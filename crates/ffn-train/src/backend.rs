@@ -75,6 +75,19 @@ pub fn describe(device: &Device) -> String {
     kind.map_or(debug, |(_, name)| name.to_string())
 }
 
+/// What the device's matrix products run on: on Flex, the kernel [`ffn_model::cpu_kernels`]
+/// chose and the CPU; elsewhere the device itself ([`describe`]).
+pub fn kernels(device: &Device) -> String {
+    #[cfg(feature = "flex")]
+    if matches!(
+        device.clone().without_autodiff().as_dispatch(),
+        burn::backend::DispatchDevice::Flex(_)
+    ) {
+        return ffn_model::cpu_kernels().to_string();
+    }
+    describe(device)
+}
+
 /// The wgpu device, initialised once per process (burn's runtime cannot be initialised twice):
 /// an error naming the cause when no adapter can be had.
 #[cfg(feature = "wgpu")]

@@ -24,6 +24,7 @@ pub mod inference;
 pub mod loss;
 pub mod metrics;
 pub mod model;
+pub mod optim;
 pub mod plot;
 pub mod rng;
 pub mod run;

@@ -606,6 +606,7 @@ fn announce(trainer: &Trainer, device: &burn::tensor::Device, what: &str) {
             .optimal_loss()
             .map_or("unknown".into(), |o| format!("{o:.4}")),
     );
+    println!("matrix products: {}", backend::kernels(device));
 }
 
 fn report(run: &Path, s: Summary) -> Result<()> {

@@ -253,6 +253,10 @@ pub struct Summary {
     pub ffn_params: usize,
     /// The device.
     pub device: String,
+    /// What its matrix products ran on: the library, its kernels and the CPU's features
+    /// ([`crate::backend::kernels`]; empty in summaries written before it was recorded).
+    #[serde(default)]
+    pub kernels: String,
 }
 
 /// How progress is shown.

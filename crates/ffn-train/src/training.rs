@@ -27,7 +27,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
-use burn::optim::{AdamWConfig, GradientsParams, ModuleOptimizer};
+use burn::optim::{GradientsParams, ModuleOptimizer};
 use burn::tensor::{Device, Tensor};
 use rayon::prelude::*;
 
@@ -36,6 +36,7 @@ use crate::config::{ModelConfig, TaskConfig, TrainConfig, TrainSettings};
 use crate::data::{Batch, Language, Task, Vocab};
 use crate::metrics::{self, Metrics, MoeLoad, Progress, Record, Summary, Timing};
 use crate::model::Model;
+use crate::optim::optimizer;
 use crate::rng::Rng;
 use crate::run;
 use crate::{Error, Result};
@@ -349,15 +350,6 @@ pub fn evaluate(model: &Model, batches: &[Batch]) -> f64 {
     total / batches.len() as f64
 }
 
-fn optimizer(t: &TrainSettings) -> ModuleOptimizer {
-    AdamWConfig::new()
-        .with_beta_1(t.beta1 as f32)
-        .with_beta_2(t.beta2 as f32)
-        .with_epsilon(1e-8)
-        .with_weight_decay(t.weight_decay as f32)
-        .init()
-}
-
 /// Set by [`request_stop`]: the training loop finishes its step, writes a checkpoint and
 /// returns [`Error::Interrupted`].
 static STOP: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
@@ -414,7 +406,7 @@ impl Prepared {
             TrainConfig::from_toml(&text, &[]).ok().as_ref(),
             Some(&config)
         );
-        let optim = optimizer(&config.train);
+        let optim = optimizer(&config.train, device);
         let loaded = initialise(config, ffn, &text, task, device)?;
         Ok(Self {
             text,
@@ -765,7 +757,8 @@ impl Trainer {
         loaded
             .config
             .check_memory(loaded.config.train.eval_batches)?;
-        let optim = checkpoint::load_optim(&latest, optimizer(&loaded.config.train))?;
+        let optim = optimizer(&loaded.config.train, &loaded.device);
+        let optim = checkpoint::load_optim(&latest, optim)?;
         let mut trainer = Self::assemble(run, loaded, optim, state, Some(latest), lock)?;
         trainer.warnings = warnings;
         trainer.warnings.extend(trainer.task.warning());
@@ -1000,6 +993,7 @@ impl Trainer {
             params: self.model.num_params(),
             ffn_params,
             device: crate::backend::describe(&self.device),
+            kernels: crate::backend::kernels(&self.device),
         };
         metrics::write_summary(&self.run, &summary)?;
         let title = format!(

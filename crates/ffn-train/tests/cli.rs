@@ -8,7 +8,8 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::{
-    assert_error, assert_error_status, ffn_train, losses, scratch, snapshot, stderr, stdout, tiny,
+    assert_error, assert_error_status, assert_quiet_success, ffn_train, losses, scratch, snapshot,
+    stderr, stdout, tiny,
 };
 
 #[test]
@@ -71,6 +72,12 @@ fn train_eval_and_sample_end_to_end() {
         (summary.final_valid_loss.unwrap() - summary.optimal_loss.unwrap() - gap).abs() < 1e-12
     );
     assert!(summary.tokens_per_s > 0.0 && summary.wall_time_s > 0.0);
+    // The header and the summary name what the products ran on: the kernel and the CPU.
+    assert_eq!(summary.kernels, ffn_model::cpu_kernels());
+    assert!(
+        text.contains(&format!("matrix products: {}", summary.kernels)),
+        "{text}"
+    );
 
     let out = ffn_train(&["eval", "run", "--batches", "4"], &dir);
     assert!(out.status.success(), "{}", stderr(&out));
@@ -408,6 +415,61 @@ fn inspect_shows_tensors_schemes_and_configs() {
         &ffn_train(&["inspect", "junk.safetensors"], &dir),
         "not a valid safetensors file",
     );
+}
+
+/// A CPU run never starts a GPU runtime, whatever backends the binary was built with: resuming
+/// (the optimiser state is built on the run's device, not burn's default, which is the GPU in a
+/// `wgpu` build), evaluating, sampling, a mixture of experts with its selection bias, and the
+/// cells of a sweep. [`ffn_train`] checks that no process opened a GPU library; here stderr
+/// must also hold nothing but ffn-train's own lines, in a shell without `XDG_RUNTIME_DIR` (where
+/// Mesa's Vulkan driver complains as it loads).
+#[test]
+fn a_cpu_run_never_starts_a_gpu_runtime() {
+    let dir = scratch("cli-cpu-only");
+    let config = tiny(&dir);
+    let config = config.to_str().unwrap();
+    let moe = "model.ffn.moe={ n_experts = 4, top_k = 2, scoring = \"sigmoid\", \
+               selection_bias = true, bias_update_rate = 0.01 }";
+    for (run, extra) in [
+        ("dense", vec![]),
+        ("moe", vec!["--set", "model.ffn.dropout=0", "--set", moe]),
+    ] {
+        let mut args = vec!["train", "--config", config, "--run", run, "--steps", "30"];
+        args.extend(extra);
+        assert_quiet_success(&ffn_train(&args, &dir));
+        // Back to step 20, and on from there.
+        std::fs::remove_dir_all(dir.join(run).join("checkpoints/step-000030")).unwrap();
+        assert_quiet_success(&ffn_train(&["resume", run], &dir));
+        assert_quiet_success(&ffn_train(&["eval", run], &dir));
+        assert_quiet_success(&ffn_train(
+            &["sample", run, "--prompt", "ab", "--tokens", "5"],
+            &dir,
+        ));
+    }
+
+    // A sweep's cells: each a process of its own, traced too.
+    std::fs::write(
+        dir.join("sweep.toml"),
+        "variants = [\"FFN_ReLU\"]\nseeds = [1]\nlrs = [1e-2]\n[[tasks]]\nname = \"lm\"\n\
+         config = \"tiny.toml\"\nset = [\"train.steps=20\"]\n",
+    )
+    .unwrap();
+    let out = ffn_train(&["sweep", "--config", "sweep.toml", "--out", "sweep"], &dir);
+    assert_quiet_success(&out);
+    let mut logs = 0;
+    for entry in walk(&dir.join("sweep")) {
+        if entry.extension().is_some_and(|e| e == "log") {
+            let log = std::fs::read_to_string(&entry).unwrap();
+            assert!(!log.contains("XDG_RUNTIME_DIR"), "{log}");
+            logs += 1;
+        }
+    }
+    assert_eq!(logs, 1, "one cell, one log");
+}
+
+/// Every file under `dir`.
+fn walk(dir: &Path) -> Vec<PathBuf> {
+    snapshot(dir).into_iter().map(|(path, _)| path).collect()
 }
 
 /// The CLI trains on the GPU backend (on CI: Mesa's software Vulkan driver, lavapipe).

@@ -114,13 +114,93 @@ pub fn snapshot(dir: &Path) -> Vec<(PathBuf, Vec<u8>)> {
 }
 
 /// Runs the `ffn-train` binary in `cwd`.
+///
+/// As in a plain shell: `FFN_DEVICE` and `XDG_RUNTIME_DIR` unset (a command that names a GPU
+/// device gets a runtime folder of its own, as a desktop session would give it). A command that
+/// names no GPU device must not start a GPU runtime, in any process it starts (a sweep's
+/// cells): on Linux the dynamic loader's trace shows which libraries each process opened, and
+/// none may be a GPU driver's.
 pub fn ffn_train(args: &[&str], cwd: &Path) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_ffn-train"))
+    let gpu = args.iter().any(|a| matches!(*a, "wgpu" | "cuda"));
+    let mut command = Command::new(env!("CARGO_BIN_EXE_ffn-train"));
+    command
         .args(args)
         .current_dir(cwd)
         .env_remove("FFN_DEVICE")
-        .output()
-        .expect("the binary runs")
+        .env_remove("XDG_RUNTIME_DIR");
+    let runtime = cwd.join(".xdg-runtime");
+    if gpu {
+        std::fs::create_dir_all(&runtime).unwrap();
+        command.env("XDG_RUNTIME_DIR", &runtime);
+    }
+    let trace = (!gpu && cfg!(all(target_os = "linux", target_env = "gnu"))).then(|| {
+        static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let dir = std::env::temp_dir().join(format!("ffn-ld-{}-{n}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        command
+            .env("LD_DEBUG", "files")
+            .env("LD_DEBUG_OUTPUT", dir.join("trace"));
+        dir
+    });
+    let out = command.output().expect("the binary runs");
+    if let Some(dir) = trace {
+        let opened = gpu_libraries_opened(&dir);
+        let _ = std::fs::remove_dir_all(&dir);
+        assert!(
+            opened.is_empty(),
+            "`ffn-train {}` on the CPU started a GPU runtime: it opened {opened:?}",
+            args.join(" ")
+        );
+    }
+    out
+}
+
+/// The shared libraries of a GPU runtime (Vulkan, GL, CUDA).
+pub const GPU_LIBRARIES: &[&str] = &[
+    "libvulkan.so",
+    "libEGL.so",
+    "libGL.so",
+    "libGLX",
+    "libcuda.so",
+    "libnvrtc",
+    "libnvidia-ml",
+];
+
+/// The GPU libraries that the processes traced into `dir` (`LD_DEBUG=files`) opened.
+pub fn gpu_libraries_opened(dir: &Path) -> Vec<String> {
+    let mut opened = Vec::new();
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let text = std::fs::read_to_string(entry.unwrap().path()).unwrap_or_default();
+        for line in text.lines() {
+            let Some(file) = line.split("file=").nth(1) else {
+                continue;
+            };
+            let name = file.split([' ', ';']).next().unwrap_or_default();
+            if GPU_LIBRARIES.iter().any(|lib| name.contains(lib))
+                && !opened.contains(&name.to_string())
+            {
+                opened.push(name.to_string());
+            }
+        }
+    }
+    opened
+}
+
+/// Asserts that a command succeeded and that its stderr holds only ffn-train's own lines
+/// (`warning: …`): nothing from a driver or a library.
+pub fn assert_quiet_success(o: &Output) {
+    assert!(
+        o.status.success(),
+        "stdout: {}\nstderr: {}",
+        stdout(o),
+        stderr(o)
+    );
+    let err = stderr(o);
+    assert!(
+        err.lines().all(|l| l.starts_with("warning: ")),
+        "stderr holds lines that are not ffn-train's:\n{err}"
+    );
 }
 
 pub fn stdout(o: &Output) -> String {
