@@ -17,6 +17,7 @@ use burn_flex::FlexTensor;
 use rayon::prelude::*;
 
 use crate::Activation;
+use crate::bf16;
 use crate::blas::{self, Operand};
 use crate::op::{Kernels, Pre, composed};
 
@@ -34,12 +35,24 @@ impl Kernels for Flex {
             .collect()
     }
 
+    /// f32 operands: the BLAS chosen at run time, else Flex's own product. bf16 operands (both):
+    /// `bf16.rs`'s packed kernel on a CPU with `avx512_bf16`; elsewhere the operands are
+    /// widened to f32 (exactly) and multiplied as f32: the same function, the products exact
+    /// in either case and summed in f32.
     fn ffn_matmul(lhs: FlexTensor, rhs: FlexTensor) -> FlexTensor {
+        use burn::backend::ops::FloatTensorOps;
+        if lhs.dtype() == DType::BF16 && rhs.dtype() == DType::BF16 {
+            return if bf16::available() {
+                matmul_bf16(lhs, rhs)
+            } else {
+                matmul_bf16_widened(lhs, rhs)
+            };
+        }
         match blas::get() {
             Some(blas) if lhs.dtype() == DType::F32 && rhs.dtype() == DType::F32 => {
                 matmul_blas(blas, lhs, rhs)
             }
-            _ => <Flex as burn::backend::ops::FloatTensorOps<Flex>>::float_matmul(lhs, rhs),
+            _ => <Flex as FloatTensorOps<Flex>>::float_matmul(lhs, rhs),
         }
     }
 
@@ -158,6 +171,49 @@ fn matmul_blas(blas: &blas::Blas, lhs: FlexTensor, rhs: FlexTensor) -> FlexTenso
     // SAFETY: `operand` checked the layouts; `c` has room for m·n floats, all written here.
     let c = unsafe {
         blas.sgemm(m, n, k, a, b, c.as_mut_ptr().cast::<f32>());
+        c.set_len(m * n);
+        let mut c = std::mem::ManuallyDrop::new(c);
+        Vec::from_raw_parts(c.as_mut_ptr().cast::<f32>(), c.len(), c.capacity())
+    };
+    FlexTensor::from_data(burn::tensor::TensorData::new(c, [m, n]))
+}
+
+/// `lhs · rhs` for bf16 operands without `avx512_bf16`: widened to f32 (exactly) and multiplied
+/// by the f32 product.
+fn matmul_bf16_widened(lhs: FlexTensor, rhs: FlexTensor) -> FlexTensor {
+    use burn::backend::ops::FloatTensorOps;
+    let widen = |t| <Flex as FloatTensorOps<Flex>>::float_cast(t, burn::tensor::FloatDType::F32);
+    <Flex as Kernels>::ffn_matmul(widen(lhs), widen(rhs))
+}
+
+/// `lhs · rhs` for 2-D bf16 operands of any strides, in f32, by `bf16.rs`'s kernel.
+fn matmul_bf16(lhs: FlexTensor, rhs: FlexTensor) -> FlexTensor {
+    let matrix = |t: &FlexTensor| {
+        let layout = t.layout();
+        let strides = [layout.strides()[0], layout.strides()[1]];
+        let data = t.storage::<burn::tensor::bf16>();
+        (strides[0] >= 0 && strides[1] >= 0).then(|| bf16::Matrix {
+            // SAFETY: bf16 is 16 bits, read as its bit pattern.
+            ptr: data[layout.start_offset()..].as_ptr().cast::<u16>(),
+            row_stride: strides[0] as usize,
+            col_stride: strides[1] as usize,
+        })
+    };
+    let own = |t: FlexTensor| match matrix(&t) {
+        Some(_) => t,
+        None => t.to_contiguous(),
+    };
+    let (lhs, rhs) = (own(lhs), own(rhs));
+    let (a, b) = (
+        matrix(&lhs).expect("non-negative strides"),
+        matrix(&rhs).expect("non-negative strides"),
+    );
+    let [m, k] = lhs.layout().shape().dims::<2>();
+    let n = rhs.layout().shape()[1];
+    let mut c: Vec<std::mem::MaybeUninit<f32>> = Vec::with_capacity(m * n);
+    // SAFETY: the strides address the operands' shapes; `gemm` writes all m·n floats of `c`.
+    let c = unsafe {
+        bf16::gemm(m, n, k, a, b, c.as_mut_ptr().cast::<f32>());
         c.set_len(m * n);
         let mut c = std::mem::ManuallyDrop::new(c);
         Vec::from_raw_parts(c.as_mut_ptr().cast::<f32>(), c.len(), c.capacity())
@@ -564,6 +620,81 @@ fn gelu(x: f32) -> (f32, f32) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A bf16 product, by the packed kernel (where the CPU has `avx512_bf16`) and by the
+    /// widening fallback, equals the f64 sum of the products of the operands rounded to bf16,
+    /// within the rounding of k f32 additions, for plain and transposed operands. Rounding
+    /// matters: the f32 product of the unrounded operands misses that reference by far more.
+    #[test]
+    fn bf16_products_are_exact_products_summed_in_f32() {
+        use burn::backend::ops::FloatTensorOps;
+        use burn::tensor::{FloatDType, TensorData};
+        let (m, n, k) = (37, 45, 300);
+        let mut seed = 11u32;
+        let mut values = |len: usize| -> Vec<f32> {
+            (0..len)
+                .map(|_| {
+                    seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+                    (seed >> 8) as f32 / (1u32 << 24) as f32 * 4.0 - 2.0
+                })
+                .collect()
+        };
+        let (a, b) = (values(m * k), values(k * n));
+        let rounded = |v: &[f32]| v.iter().map(|&x| bf16::widen(bf16::round(x))).collect();
+        let (ra, rb): (Vec<f32>, Vec<f32>) = (rounded(&a), rounded(&b));
+        let product = |a: &[f32], b: &[f32]| -> Vec<f64> {
+            let mut c = vec![0f64; m * n];
+            for i in 0..m {
+                for p in 0..k {
+                    for j in 0..n {
+                        c[i * n + j] += a[i * k + p] as f64 * b[p * n + j] as f64;
+                    }
+                }
+            }
+            c
+        };
+        let want = product(&ra, &rb);
+        let abs = product(
+            &ra.iter().map(|x| x.abs()).collect::<Vec<_>>(),
+            &rb.iter().map(|x| x.abs()).collect::<Vec<_>>(),
+        );
+        let worst = |c: &FlexTensor| -> f64 {
+            let got = c.clone().into_data().try_to_vec::<f32>().unwrap();
+            got.iter()
+                .zip(&want)
+                .zip(&abs)
+                .map(|((&g, &w), &s)| (g as f64 - w).abs() / (k as f64 * 2f64.powi(-24) * s))
+                .fold(0.0, f64::max)
+        };
+        let tensor = |v: &[f32], shape: [usize; 2]| {
+            FlexTensor::from_data(TensorData::new(v.to_vec(), shape))
+        };
+        let cast = |t: FlexTensor, dtype| <Flex as FloatTensorOps<Flex>>::float_cast(t, dtype);
+        let transpose = <Flex as FloatTensorOps<Flex>>::float_transpose;
+        // A and B as bf16, plain and as transposed views of their transposes.
+        let a16 = cast(tensor(&a, [m, k]), FloatDType::BF16);
+        let b16 = cast(tensor(&b, [k, n]), FloatDType::BF16);
+        let at16 = transpose(cast(transpose(tensor(&a, [m, k])), FloatDType::BF16));
+        let bt16 = transpose(cast(transpose(tensor(&b, [k, n])), FloatDType::BF16));
+        for (lhs, rhs) in [
+            (a16.clone(), b16.clone()),
+            (at16.clone(), b16.clone()),
+            (a16.clone(), bt16.clone()),
+            (at16, bt16),
+        ] {
+            let fallback = matmul_bf16_widened(lhs.clone(), rhs.clone());
+            assert!(worst(&fallback) <= 1.0, "fallback: {}", worst(&fallback));
+            let chosen = <Flex as Kernels>::ffn_matmul(lhs.clone(), rhs.clone());
+            assert!(worst(&chosen) <= 1.0, "chosen kernel: {}", worst(&chosen));
+            if bf16::available() {
+                let packed = matmul_bf16(lhs, rhs);
+                assert!(worst(&packed) <= 1.0, "packed: {}", worst(&packed));
+            }
+        }
+        // Unrounded operands: the f32 product is another function.
+        let plain = <Flex as Kernels>::ffn_matmul(tensor(&a, [m, k]), tensor(&b, [k, n]));
+        assert!(worst(&plain) > 10.0, "{}", worst(&plain));
+    }
 
     fn grid() -> impl Iterator<Item = f32> {
         (-2000..=2000).map(|i| i as f32 * 0.005) // [-10, 10]

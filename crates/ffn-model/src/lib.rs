@@ -38,6 +38,8 @@
 
 mod activation;
 #[cfg(feature = "flex")]
+mod bf16;
+#[cfg(feature = "flex")]
 mod blas;
 mod config;
 #[cfg(feature = "flex")]
