@@ -32,6 +32,7 @@
 //! cargo bench --bench ffn -- --repeats 3 --variants SwiGLU,FFN_GELU --modes fwd+bwd,block
 //! cargo bench --bench ffn -- --memory                # peak memory of a training step
 //! cargo bench --bench ffn -- --memory-mode recompute  # times with memory = "recompute"
+//! cargo bench --bench ffn -- --precision f32,bf16     # each row in f32, then in bf16 (`-bf16`)
 //! cargo bench --bench ffn -- --plain-allocator       # times with glibc's default allocator
 //! cargo bench --bench ffn --features wgpu -- --backends wgpu   # on the GPU
 //! python3 tools/bench_compare.py                     # side by side with PyTorch, ratios
@@ -43,7 +44,7 @@ use std::io::Write;
 use burn::nn::{LayerNorm, LayerNormConfig};
 use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::{Device, Distribution, Tensor};
-use ffn::model::{FeedForward, FeedForwardConfig, Memory, Variant};
+use ffn::model::{FeedForward, FeedForwardConfig, Memory, Precision, Variant};
 
 mod common;
 use common::{median, memory_child_row, step_memory};
@@ -221,6 +222,15 @@ fn main() {
         Some("recompute") => Memory::Recompute,
         Some(other) => panic!("--memory-mode: save or recompute, not {other}"),
     };
+    let precisions: Vec<Precision> = value("--precision").map_or(vec![Precision::F32], |list| {
+        list.split(',')
+            .map(|p| match p {
+                "f32" => Precision::F32,
+                "bf16" => Precision::Bf16,
+                other => panic!("--precision: f32 or bf16, not {other}"),
+            })
+            .collect()
+    });
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     let allocator = common::allocator(&args);
     println!(
@@ -239,33 +249,39 @@ fn main() {
                     .into_iter()
                     .filter(|(p, f)| paths.contains(p) && (variant.gated() || !f))
                 {
-                    let label = match (path, fused) {
-                        (Path::Op, false) => backend.to_string(),
-                        (Path::Op, true) => format!("{backend}-fused"),
-                        (Path::Composed, _) => format!("{backend}-composed"),
-                    };
-                    let config = FeedForwardConfig::preset(variant, d_model)
-                        .with_fused_gate_up(fused)
-                        .with_memory(memory);
-                    let rows = run(&config, &device, tokens, path, repeats, &modes);
-                    let flops = (config.flops_per_token() * tokens as u64) as f64;
-                    for (mode, seconds) in rows {
-                        let factor = match mode {
-                            "forward" => 1.0,
-                            "fwd+bwd-w" if variant.gated() => 7.0 / 3.0,
-                            "fwd+bwd-w" => 2.5,
-                            _ => 3.0,
+                    for &precision in &precisions {
+                        let label = match (path, fused) {
+                            (Path::Op, false) => backend.to_string(),
+                            (Path::Op, true) => format!("{backend}-fused"),
+                            (Path::Composed, _) => format!("{backend}-composed"),
+                        } + if precision == Precision::Bf16 {
+                            "-bf16"
+                        } else {
+                            ""
                         };
-                        let gflops = factor * flops / seconds / 1e9;
-                        println!(
-                            "{label:<16} {:<13} {d_model:>7} {:>6} {tokens:>6} {mode:<9} {:>9.1} {:>11.0} {gflops:>8.1}",
-                            variant.name(),
-                            config.d_ff,
-                            seconds * 1e3,
-                            tokens as f64 / seconds,
-                        );
-                        if let Some(file) = json.as_mut() {
-                            writeln!(
+                        let config = FeedForwardConfig::preset(variant, d_model)
+                            .with_fused_gate_up(fused)
+                            .with_memory(memory)
+                            .with_precision(precision);
+                        let rows = run(&config, &device, tokens, path, repeats, &modes);
+                        let flops = (config.flops_per_token() * tokens as u64) as f64;
+                        for (mode, seconds) in rows {
+                            let factor = match mode {
+                                "forward" => 1.0,
+                                "fwd+bwd-w" if variant.gated() => 7.0 / 3.0,
+                                "fwd+bwd-w" => 2.5,
+                                _ => 3.0,
+                            };
+                            let gflops = factor * flops / seconds / 1e9;
+                            println!(
+                                "{label:<16} {:<13} {d_model:>7} {:>6} {tokens:>6} {mode:<9} {:>9.1} {:>11.0} {gflops:>8.1}",
+                                variant.name(),
+                                config.d_ff,
+                                seconds * 1e3,
+                                tokens as f64 / seconds,
+                            );
+                            if let Some(file) = json.as_mut() {
+                                writeln!(
                                 file,
                                 r#"{{"impl":"ffn-{label}","variant":"{}","d_model":{d_model},"d_ff":{},"tokens":{tokens},"mode":"{mode}","ms":{},"threads":{threads}}}"#,
                                 variant.name(),
@@ -273,6 +289,7 @@ fn main() {
                                 seconds * 1e3
                             )
                             .expect("write --json");
+                            }
                         }
                     }
                 }

@@ -182,6 +182,59 @@ fn every_backend_computes_the_same_outputs_and_gradients() {
     }
 }
 
+/// `precision = "bf16"` on every backend, against Flex's: Flex rounds the products' operands to
+/// bf16 (on its bf16 kernel or the widening fallback), NdArray (no bf16 tensors) and CubeCL
+/// backends compute in f32 (documented). Either way within bf16's rounding of Flex's (2⁻⁶ of
+/// each tensor's scale: see the op's own test), and never a panic.
+#[test]
+fn every_backend_runs_bf16_configs() {
+    let reference_device = Device::flex().autodiff();
+    for config in [
+        FeedForwardConfig::preset(Variant::GeGlu, D_MODEL).with_bias_up(true),
+        FeedForwardConfig::preset(Variant::FfnGelu, D_MODEL)
+            .with_bias_down(true)
+            .with_memory(Memory::Recompute),
+    ] {
+        let bias_gate = config.gated && config.bias_up;
+        let config = config
+            .with_bias_gate(bias_gate)
+            .with_precision(ffn::model::Precision::Bf16);
+        let weights = config.init(&reference_device).to_safetensors_bytes();
+        let x = Tensor::<3>::random(
+            [2, 5, D_MODEL],
+            Distribution::Normal(0.0, 1.0),
+            &reference_device,
+        )
+        .into_data();
+        let on = |device: &Device| {
+            let device = device.clone().autodiff();
+            let ffn = config
+                .init(&device)
+                .load_safetensors_bytes(&weights)
+                .unwrap();
+            run(&ffn, x.clone(), DType::F32, &device, false)
+        };
+        let expected = on(&Device::flex());
+        for (backend, device, _) in backends() {
+            for (what, values) in on(&device) {
+                let reference = &expected[&what];
+                let scale = reference.iter().fold(1e-30f64, |m, v| m.max(v.abs()));
+                let error = values
+                    .iter()
+                    .zip(reference)
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0.0, f64::max)
+                    / scale;
+                assert!(
+                    error <= 2f64.powi(-6),
+                    "{backend} {}: {what} off by {error:e}",
+                    config.activation
+                );
+            }
+        }
+    }
+}
+
 /// The mixture-of-experts layer (its grouped expert op) on every backend, against the f64
 /// composed layer on Flex: output, input gradient and the gradients of the router and the
 /// stacked experts, for Mixtral-, Qwen2- and DeepSeek-style layers.

@@ -16,7 +16,7 @@ use burn::nn::Initializer;
 use burn::tensor::Device;
 use serde::{Deserialize, Serialize};
 
-use crate::{Activation, ConfigError, FeedForward, Memory};
+use crate::{Activation, ConfigError, FeedForward, Memory, Precision};
 
 /// Where dropout is applied.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -94,6 +94,10 @@ pub struct FeedForwardConfig {
     /// pre-activations (less memory, one element-wise pass more). Results are identical.
     #[serde(default)]
     pub memory: Memory,
+    /// The number format of the matrix products: `"f32"` (the default) or `"bf16"` (bf16
+    /// operands, f32 sums; everything else f32: see [`Precision`]).
+    #[serde(default)]
+    pub precision: Precision,
 }
 
 fn default_activation() -> Activation {
@@ -180,6 +184,7 @@ impl FeedForwardConfig {
             dropout_at: DropoutAt::Hidden,
             initializer: default_initializer(),
             memory: Memory::Save,
+            precision: Precision::F32,
         }
     }
 
@@ -234,6 +239,12 @@ impl FeedForwardConfig {
     /// Sets what the backward pass keeps (see [`memory`](Self::memory)).
     pub fn with_memory(mut self, memory: Memory) -> Self {
         self.memory = memory;
+        self
+    }
+
+    /// Sets the number format of the matrix products (see [`precision`](Self::precision)).
+    pub fn with_precision(mut self, precision: Precision) -> Self {
+        self.precision = precision;
         self
     }
 

@@ -42,7 +42,7 @@ impl Kernels for Flex {
     fn ffn_matmul(lhs: FlexTensor, rhs: FlexTensor) -> FlexTensor {
         use burn::backend::ops::FloatTensorOps;
         if lhs.dtype() == DType::BF16 && rhs.dtype() == DType::BF16 {
-            return if bf16::available() {
+            return if bf16::available() && !tests::widening() {
                 matmul_bf16(lhs, rhs)
             } else {
                 matmul_bf16_widened(lhs, rhs)
@@ -617,9 +617,35 @@ fn gelu(x: f32) -> (f32, f32) {
     (x * cdf, cdf + x * exp(-0.5 * x * x) * FRAC_1_SQRT_2PI)
 }
 
-#[cfg(test)]
+/// Without tests, the kernel is chosen by the CPU alone.
+#[cfg(not(test))]
 mod tests {
+    pub(super) fn widening() -> bool {
+        false
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
     use super::*;
+
+    thread_local! {
+        /// Makes bf16 products on this thread take the widening fallback.
+        static WIDEN: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    }
+
+    pub(super) fn widening() -> bool {
+        WIDEN.with(std::cell::Cell::get)
+    }
+
+    /// Runs `work` with bf16 products on the widening fallback (as on a CPU without
+    /// `avx512_bf16`).
+    pub(crate) fn widened<T>(work: impl FnOnce() -> T) -> T {
+        let before = WIDEN.with(|w| w.replace(true));
+        let out = work();
+        WIDEN.with(|w| w.set(before));
+        out
+    }
 
     /// A bf16 product, by the packed kernel (where the CPU has `avx512_bf16`) and by the
     /// widening fallback, equals the f64 sum of the products of the operands rounded to bf16,

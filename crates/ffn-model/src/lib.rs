@@ -67,7 +67,7 @@ pub use error::{ConfigError, Error, printable};
 pub use hf::HfModel;
 pub use model::FeedForward;
 pub use moe::{MAX_EXPERTS, Moe, MoeConfig, MoeOutput, Scoring};
-pub use op::Memory;
+pub use op::{Memory, Precision};
 pub use preset::Variant;
 pub use scheme::Scheme;
 

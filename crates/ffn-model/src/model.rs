@@ -25,7 +25,7 @@ use burn::tensor::{Device, Tensor};
 use crate::activation::ActivationState;
 use crate::dropout;
 use crate::op::{self, Spec};
-use crate::{Activation, DropoutAt, FeedForwardConfig, Memory};
+use crate::{Activation, DropoutAt, FeedForwardConfig, Memory, Precision};
 
 /// The position-wise feed-forward network, every variant: build it with
 /// [`FeedForwardConfig::init`].
@@ -62,6 +62,8 @@ pub struct FeedForward {
     dropout_at: DropoutAt,
     #[module(skip)]
     pub(crate) memory: Memory,
+    #[module(skip)]
+    pub(crate) precision: Precision,
     /// `φ`, recorded with the weights.
     activation: ActivationState,
 }
@@ -91,6 +93,7 @@ impl FeedForward {
             dropout: DropoutConfig::new(config.dropout).init(),
             dropout_at: config.dropout_at,
             memory: config.memory,
+            precision: config.precision,
             activation: ActivationState::new(config.activation, device),
         }
     }
@@ -136,6 +139,7 @@ impl FeedForward {
             activation: self.activation(),
             gated: self.is_gated(),
             memory: self.memory,
+            precision: self.precision,
         };
         let y = op::feed_forward(
             x,
@@ -172,11 +176,13 @@ impl FeedForward {
             // [g | u] = x [W_gate | W_up] + [b_gate | b_up]: one product, then two views.
             (Some(gate_up), _, _) => {
                 let d_ff = self.d_ff();
-                let gu = gate_up.forward(x);
+                let gu = self.linear(gate_up, x);
                 phi.forward(gu.clone().narrow(D - 1, 0, d_ff)) * gu.narrow(D - 1, d_ff, d_ff)
             }
-            (None, Some(gate), Some(up)) => phi.forward(gate.forward(x.clone())) * up.forward(x),
-            (None, None, Some(up)) => phi.forward(up.forward(x)),
+            (None, Some(gate), Some(up)) => {
+                phi.forward(self.linear(gate, x.clone())) * self.linear(up, x)
+            }
+            (None, None, Some(up)) => phi.forward(self.linear(up, x)),
             (None, _, None) => unreachable!("an unfused network has `up`"),
         };
         let h = match self.dropout_at {
@@ -185,11 +191,27 @@ impl FeedForward {
         };
 
         // y = h W_down + b_down
-        let y = self.down.forward(h);
+        let y = self.linear(&self.down, h);
         match self.dropout_at {
             DropoutAt::Hidden => y,
             DropoutAt::Output => self.drop(y),
         }
+    }
+
+    /// `x W + b` in this network's precision: in bf16 (f32 networks, on a device that rounds,
+    /// see [`Precision`]) `bf16(x) bf16(W) + b`, the rounding transparent to the gradient (a
+    /// straight-through `t + (bf16(t) − t)`, with the difference detached: exact in f32).
+    fn linear<const D: usize>(&self, layer: &Linear, x: Tensor<D>) -> Tensor<D> {
+        let f32 = x.dtype() == burn::tensor::DType::F32;
+        if self.precision == Precision::F32 || !f32 || !op::rounds_bf16(&x.device()) {
+            return layer.forward(x);
+        }
+        fn bf16<const D: usize>(t: Tensor<D>) -> Tensor<D> {
+            let rounded = t.clone().cast(burn::tensor::DType::BF16).cast(t.dtype());
+            t.clone() + (rounded - t).detach()
+        }
+        let weight = bf16(layer.weight.val());
+        burn::tensor::module::linear(bf16(x), weight, layer.bias.as_ref().map(|b| b.val()))
     }
 
     /// Dropout's mask `m / (1 − p)` for a tensor of `shape` on `x`'s device, where dropout is
@@ -318,6 +340,7 @@ impl FeedForward {
             .with_dropout(self.dropout.prob)
             .with_dropout_at(self.dropout_at)
             .with_memory(self.memory)
+            .with_precision(self.precision)
     }
 
     /// The number of trainable parameters (burn's [`Module::num_params`], here without the

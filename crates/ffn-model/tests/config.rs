@@ -4,7 +4,7 @@ mod common;
 
 use burn::config::Config;
 use burn::nn::Initializer;
-use ffn_model::{Activation, ConfigError, DropoutAt, FeedForwardConfig, Variant};
+use ffn_model::{Activation, ConfigError, DropoutAt, FeedForwardConfig, Precision, Variant};
 
 fn every_field_set() -> FeedForwardConfig {
     FeedForwardConfig::new(96, 256)
@@ -15,6 +15,7 @@ fn every_field_set() -> FeedForwardConfig {
         .with_bias_down(false)
         .with_dropout(0.25)
         .with_dropout_at(DropoutAt::Output)
+        .with_precision(Precision::Bf16)
         .with_initializer(Initializer::Normal {
             mean: 0.0,
             std: 0.02,
@@ -180,6 +181,23 @@ fn parsing_errors_are_typed_and_clear() {
     // Unknown dropout position.
     let err = FeedForwardConfig::from_toml("d_model = 4\nd_ff = 8\ndropout_at = \"input\"");
     assert!(err.unwrap_err().to_string().contains("hidden"));
+    // Precision: f32 by default, "bf16" (or "bfloat16"); anything else names the choices.
+    let parse = |p: &str| FeedForwardConfig::from_toml(&format!("d_model = 4\nd_ff = 8\n{p}"));
+    assert_eq!(parse("").unwrap().precision, Precision::F32);
+    assert_eq!(
+        parse("precision = \"bf16\"").unwrap().precision,
+        Precision::Bf16
+    );
+    assert_eq!(
+        parse("precision = \"bfloat16\"").unwrap().precision,
+        Precision::Bf16
+    );
+    let err = parse("precision = \"fp8\"").unwrap_err();
+    assert!(
+        matches!(&err, ConfigError::Parse { message, .. }
+            if message.contains("fp8") && message.contains("bf16") && message.contains("f32")),
+        "{err}"
+    );
 }
 
 #[test]

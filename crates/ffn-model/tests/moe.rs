@@ -517,6 +517,9 @@ fn invalid_configs_are_typed_errors() {
     let mut dropout = base();
     dropout.expert.dropout = 0.1;
     assert_eq!(moe_field(dropout), "expert.dropout");
+    let mut bf16 = base();
+    bf16.expert.precision = ffn_model::Precision::Bf16;
+    assert_eq!(moe_field(bf16), "expert.precision");
     assert!(matches!(
         MoeConfig {
             n_experts: 1 << 20,
