@@ -101,8 +101,9 @@ pub fn get() -> Option<&'static Blas> {
     chosen().0.as_ref()
 }
 
-/// What the op's f32 matrix products run on, in one line: the library and its kernels (or Flex's
-/// `gemm`, and why), then the CPU and its vector features.
+/// What the op's matrix products run on, in one line: for f32 the library and its kernels (or
+/// Flex's `gemm`, and why), for bf16 the kernel or the fallback, then the CPU and its vector
+/// features.
 pub fn report() -> &'static str {
     &chosen().1
 }
@@ -116,7 +117,15 @@ fn chosen() -> &'static (Option<Blas>, String) {
             (None, Some(why)) => format!("Flex's gemm: {why}"),
             (None, None) => "Flex's gemm: no BLAS library found".to_string(),
         };
-        (blas, format!("{kernel}; CPU: {}", cpu::describe()))
+        let bf16 = if crate::bf16::available() {
+            "ffn's avx512_bf16 kernel"
+        } else {
+            "rounded operands widened to f32 (no avx512_bf16)"
+        };
+        (
+            blas,
+            format!("{kernel}; bf16: {bf16}; CPU: {}", cpu::describe()),
+        )
     })
 }
 

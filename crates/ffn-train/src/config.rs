@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 
 use burn::nn::Initializer;
 use burn::tensor::Device;
-use ffn_model::{Activation, DropoutAt, FeedForwardConfig, Memory, Variant};
+use ffn_model::{Activation, DropoutAt, FeedForwardConfig, Memory, Precision, Variant};
 use serde::{Deserialize, Serialize};
 
 use crate::{Error, Result};
@@ -419,6 +419,11 @@ pub struct TrainSettings {
     /// stream) the shards' forward passes run one after another, in shard order, and only their
     /// backward passes at once: either way a run stays reproducible.
     pub shards: usize,
+    /// The number format of the FFNs' matrix products: `"f32"` (default) or `"bf16"` (bf16
+    /// operands, f32 sums: [`ffn_model::Precision`]). Parameters, gradients and AdamW's state
+    /// stay f32. It applies to the FFNs (the teacher of a teacher-student task excepted);
+    /// attention and the loss compute in f32.
+    pub precision: Precision,
 }
 
 impl TrainSettings {
@@ -451,6 +456,7 @@ impl Default for TrainSettings {
             keep_checkpoints: 3,
             gradient_checkpointing: false,
             shards: 0,
+            precision: Precision::F32,
         }
     }
 }
@@ -510,7 +516,8 @@ impl TrainConfig {
             ModelConfig::Window(m) => (&m.ffn, m.d_model),
             ModelConfig::Ffn(m) => (&m.ffn, m.d_model),
         };
-        spec.resolve(d_model, "model.ffn")
+        let config = spec.resolve(d_model, "model.ffn")?;
+        Ok(config.with_precision(self.train.precision))
     }
 
     /// The sparse mixture of experts of `model.ffn.moe`, its experts the resolved FFN
@@ -540,6 +547,14 @@ impl TrainConfig {
             return fail(
                 "`expert` is not a field here: the experts are the FFN of `model.ffn`".into(),
             );
+        }
+        if self.train.precision != Precision::F32 {
+            return Err(Error::Config(
+                "train.precision = \"bf16\" does not apply to a mixture of experts yet (its \
+                 grouped experts compute in f32): remove model.ffn.moe or set \
+                 train.precision = \"f32\""
+                    .into(),
+            ));
         }
         let mut table = table.clone();
         let expert = serde_json::to_value(self.ffn()?).expect("a FeedForwardConfig serialises");
@@ -628,6 +643,17 @@ impl TrainConfig {
         };
         let t = &self.train;
         let batch = n(t.batch_size);
+        // f32 values per token of an FFN's step: four d_ff-wide ones; in bf16 the kept `h` is
+        // bf16 (half of one of them).
+        let ffn_values = match t.precision {
+            Precision::F32 => d_ff.saturating_mul(4),
+            Precision::Bf16 => d_ff.saturating_mul(7) / 2,
+        };
+        // In bf16, the FFNs' weights also have bf16 copies (half an f32 each) during a step.
+        let copies = match t.precision {
+            Precision::F32 => 0,
+            Precision::Bf16 => ffn_params / 2,
+        };
         let (vocab, seq_len, source) = match &self.task {
             TaskConfig::Markov(m) => {
                 let contexts = markov_contexts(m.vocab_size, m.order).map_or(u128::MAX, n);
@@ -657,7 +683,7 @@ impl TrainConfig {
                 let per_token = n(m.n_layers)
                     .saturating_mul(
                         d.saturating_mul(20)
-                            .saturating_add(d_ff.saturating_mul(4))
+                            .saturating_add(ffn_values)
                             .saturating_add(n(m.n_heads).saturating_mul(seq_len).saturating_mul(2)),
                     )
                     .saturating_add(vocab.saturating_mul(4));
@@ -673,7 +699,7 @@ impl TrainConfig {
                     .saturating_add(d.saturating_mul(vocab));
                 let per_token = embed
                     .saturating_add(d.saturating_mul(4))
-                    .saturating_add(d_ff.saturating_mul(4))
+                    .saturating_add(ffn_values)
                     .saturating_add(vocab.saturating_mul(4));
                 (params, per_token.saturating_mul(seq_len), seq_len + 1)
             }
@@ -687,7 +713,7 @@ impl TrainConfig {
                         .map_or(ffn_params, |f| n(f.num_params())),
                     _ => d.saturating_mul(d),
                 };
-                let per_example = d.saturating_mul(6).saturating_add(d_ff.saturating_mul(4));
+                let per_example = d.saturating_mul(6).saturating_add(ffn_values);
                 (
                     ffn_params.saturating_add(teacher),
                     per_example,
@@ -697,6 +723,7 @@ impl TrainConfig {
         };
         let f32s = params
             .saturating_mul(4)
+            .saturating_add(copies)
             .saturating_add(batch.saturating_mul(per_example))
             .saturating_add(
                 n(eval_batches)
