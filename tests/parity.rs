@@ -91,6 +91,18 @@ fn run(
     out
 }
 
+/// The largest `|actual − reference|`, relative to the reference's largest magnitude (at
+/// least 1).
+fn relative_error(actual: &[f64], reference: &[f64]) -> f64 {
+    let scale = reference.iter().fold(1.0f64, |m, v| m.max(v.abs()));
+    actual
+        .iter()
+        .zip(reference)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0, f64::max)
+        / scale
+}
+
 #[test]
 fn every_backend_computes_the_same_outputs_and_gradients() {
     let reference_device = Device::flex().autodiff();
@@ -159,13 +171,7 @@ fn every_backend_computes_the_same_outputs_and_gradients() {
             );
             for (what, values) in &actual {
                 let reference = &expected[what];
-                let scale = reference.iter().fold(1.0f64, |m, v| m.max(v.abs()));
-                let error = values
-                    .iter()
-                    .zip(reference)
-                    .map(|(a, b)| (a - b).abs())
-                    .fold(0.0, f64::max)
-                    / scale;
+                let error = relative_error(values, reference);
                 assert!(
                     error <= *tolerance,
                     "{backend} {name}: {what} off by {error:e} (tolerance {tolerance:e})"
@@ -218,13 +224,7 @@ fn every_backend_runs_bf16_configs() {
         for (backend, device, _) in backends() {
             for (what, values) in on(&device) {
                 let reference = &expected[&what];
-                let scale = reference.iter().fold(1e-30f64, |m, v| m.max(v.abs()));
-                let error = values
-                    .iter()
-                    .zip(reference)
-                    .map(|(a, b)| (a - b).abs())
-                    .fold(0.0, f64::max)
-                    / scale;
+                let error = relative_error(&values, reference);
                 assert!(
                     error <= 2f64.powi(-6),
                     "{backend} {}: {what} off by {error:e}",
@@ -303,13 +303,7 @@ fn every_backend_computes_the_same_moe() {
             let actual = run(&moved, x.clone(), DType::F32, &device, false);
             assert_eq!(actual.len(), expected.len());
             for ((what, a), (_, b)) in actual.iter().zip(&expected) {
-                let scale = b.iter().fold(1.0f64, |m, v| m.max(v.abs()));
-                let error = a
-                    .iter()
-                    .zip(b)
-                    .map(|(a, b)| (a - b).abs())
-                    .fold(0.0, f64::max)
-                    / scale;
+                let error = relative_error(a, b);
                 assert!(
                     error <= *tolerance,
                     "{backend} MoE config {i}: {what} off by {error:e} (tolerance {tolerance:e})"
