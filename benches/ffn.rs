@@ -234,7 +234,7 @@ fn main() {
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     let allocator = common::allocator(&args);
     println!(
-        "FFN benchmark: median of {repeats}, {threads} threads, GFLOP/s of the matrix products; allocator: {allocator}; f32 products: {}",
+        "FFN benchmark: median of {repeats}, {threads} threads, GFLOP/s of the matrix products; allocator: {allocator}; matrix products: {}",
         ffn::model::cpu_kernels()
     );
     println!(

@@ -167,7 +167,7 @@ fn main() {
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     println!(
         "d_model {d_model}, {experts} experts of d_ff {d_ff}, top-{top_k}, {tokens} tokens, fwd+bwd with dx, \
-         median of {repeats}, {threads} threads; allocator: {allocator}; f32 products: {}",
+         median of {repeats}, {threads} threads; allocator: {allocator}; matrix products: {}",
         ffn::model::cpu_kernels()
     );
     for (name, seconds) in rows {

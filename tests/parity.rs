@@ -91,6 +91,14 @@ fn run(
     out
 }
 
+/// Weights and an input `[2, 5, d_model]` for `config`, drawn once on `device`: the weights as a
+/// safetensors file and the input as data, to be moved to every backend.
+fn draw(config: &FeedForwardConfig, device: &Device) -> (Vec<u8>, TensorData) {
+    let weights = config.init(device).to_safetensors_bytes();
+    let x = Tensor::<3>::random([2, 5, D_MODEL], Distribution::Normal(0.0, 1.0), device);
+    (weights, x.into_data())
+}
+
 /// The largest `|actual − reference|`, relative to the reference's largest magnitude (at
 /// least 1).
 fn relative_error(actual: &[f64], reference: &[f64]) -> f64 {
@@ -142,14 +150,7 @@ fn every_backend_computes_the_same_outputs_and_gradients() {
         } else {
             ""
         };
-        // Weights drawn once, moved everywhere as a file; the input likewise as data.
-        let weights = config.init(&reference_device).to_safetensors_bytes();
-        let x = Tensor::<3>::random(
-            [2, 5, D_MODEL],
-            Distribution::Normal(0.0, 1.0),
-            &reference_device,
-        )
-        .into_data();
+        let (weights, x) = draw(&config, &reference_device);
 
         let oracle = config
             .init(&reference_device)
@@ -205,13 +206,7 @@ fn every_backend_runs_bf16_configs() {
         let config = config
             .with_bias_gate(bias_gate)
             .with_precision(ffn::model::Precision::Bf16);
-        let weights = config.init(&reference_device).to_safetensors_bytes();
-        let x = Tensor::<3>::random(
-            [2, 5, D_MODEL],
-            Distribution::Normal(0.0, 1.0),
-            &reference_device,
-        )
-        .into_data();
+        let (weights, x) = draw(&config, &reference_device);
         let on = |device: &Device| {
             let device = device.clone().autodiff();
             let ffn = config

@@ -127,29 +127,42 @@ pub unsafe fn gemm(m: usize, n: usize, k: usize, a: Matrix, b: Matrix, c: *mut f
         (0..m.div_ceil(m_block)).into_par_iter().for_each(|block| {
             let i0 = block * m_block;
             let mc = m_block.min(m - i0);
-            let mut packed_a = vec![0u32; mc.div_ceil(MR) * MR * pairs];
-            for (p, out) in packed_a.chunks_mut(MR * pairs).enumerate() {
-                let rows = MR.min(mc - p * MR);
-                // SAFETY: rows i0+p·MR.. and columns k0..k0+kc are inside A.
-                unsafe { pack_a(a, i0 + p * MR, rows, k0, kc, out) };
-            }
-            for (jp, panel_b) in packed_b.chunks(NR * pairs).enumerate() {
-                let j0 = jp * NR;
-                let cols = NR.min(n - j0);
-                for (ip, panel_a) in packed_a.chunks(MR * pairs).enumerate() {
-                    let i = i0 + ip * MR;
-                    let rows = MR.min(m - i);
-                    // SAFETY: the tile (i.., j0..) of rows × cols is inside C, and tiles of
-                    // different threads are disjoint (different rows).
-                    unsafe {
-                        let tile = (c.0 as *mut f32).add(i * n + j0);
-                        #[cfg(target_arch = "x86_64")]
-                        x86::tile(panel_a, panel_b, pairs, tile, n, rows, cols, accumulate);
+            // This thread's packing buffer, kept from one block to the next: `pack_a` writes
+            // every lane of it, so what a block leaves behind is never read.
+            PACKED_A.with_borrow_mut(|buffer| {
+                let len = mc.div_ceil(MR) * MR * pairs;
+                if buffer.len() < len {
+                    buffer.resize(len, 0);
+                }
+                let packed_a = &mut buffer[..len];
+                for (p, out) in packed_a.chunks_mut(MR * pairs).enumerate() {
+                    let rows = MR.min(mc - p * MR);
+                    // SAFETY: rows i0+p·MR.. and columns k0..k0+kc are inside A.
+                    unsafe { pack_a(a, i0 + p * MR, rows, k0, kc, out) };
+                }
+                for (jp, panel_b) in packed_b.chunks(NR * pairs).enumerate() {
+                    let j0 = jp * NR;
+                    let cols = NR.min(n - j0);
+                    for (ip, panel_a) in packed_a.chunks(MR * pairs).enumerate() {
+                        let i = i0 + ip * MR;
+                        let rows = MR.min(m - i);
+                        // SAFETY: the tile (i.., j0..) of rows × cols is inside C, and tiles of
+                        // different threads are disjoint (different rows).
+                        unsafe {
+                            let tile = (c.0 as *mut f32).add(i * n + j0);
+                            #[cfg(target_arch = "x86_64")]
+                            x86::tile(panel_a, panel_b, pairs, tile, n, rows, cols, accumulate);
+                        }
                     }
                 }
-            }
+            });
         });
     }
+}
+
+thread_local! {
+    /// Each thread's buffer for packed panels of `A` (at most `M_BLOCK × K_BLOCK` bf16).
+    static PACKED_A: std::cell::RefCell<Vec<u32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// Pointers cross to rayon's threads as addresses.
@@ -166,7 +179,12 @@ fn pair(lo: u16, hi: u16) -> u32 {
 /// and an odd last column zero.
 unsafe fn pack_a(a: Matrix, i0: usize, rows: usize, k0: usize, kc: usize, out: &mut [u32]) {
     let full = kc / 2;
-    out.fill(0);
+    // Every lane of rows 0..rows is written below; only the rows past `rows` are padding.
+    if rows < MR {
+        for p in 0..kc.div_ceil(2) {
+            out[p * MR + rows..(p + 1) * MR].fill(0);
+        }
+    }
     // SAFETY (every read): inside A, by the caller's contract.
     unsafe {
         for r in 0..rows {
@@ -194,7 +212,12 @@ unsafe fn pack_a(a: Matrix, i0: usize, rows: usize, k0: usize, kc: usize, out: &
 /// `cols` and an odd last row zero.
 unsafe fn pack_b(b: Matrix, k0: usize, kc: usize, j0: usize, cols: usize, out: &mut [u32]) {
     let full = kc / 2;
-    out.fill(0);
+    // Every lane of columns 0..cols is written below; only the columns past `cols` are padding.
+    if cols < NR {
+        for p in 0..kc.div_ceil(2) {
+            out[p * NR + cols..(p + 1) * NR].fill(0);
+        }
+    }
     // SAFETY (every read): inside B, by the caller's contract.
     unsafe {
         let origin = b.ptr.add(k0 * b.row_stride + j0 * b.col_stride);

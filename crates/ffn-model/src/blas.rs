@@ -70,16 +70,20 @@ pub struct Blas {
     pub path: String,
     /// Whether products are split over rayon's threads (the library then runs single-threaded).
     pub rayon: bool,
+    /// The library: `OpenBLAS 0.3.21`, or the file's name for libraries that do not say.
+    library: String,
     /// OpenBLAS's name for the kernels it runs on this CPU (`None` for other libraries).
     core: Option<String>,
-    /// The library and its kernels, as a person reads them: `OpenBLAS 0.3.21, Cooperlake kernels`.
-    kernel: String,
 }
 
 impl Blas {
-    /// The library without its kernels: `OpenBLAS 0.3.21`.
-    fn kernel_library(&self) -> &str {
-        self.kernel.split(',').next().unwrap_or(&self.kernel)
+    /// The library and its kernels, as a person reads them: `OpenBLAS 0.3.21, Cooperlake
+    /// kernels`.
+    fn kernel(&self) -> String {
+        match &self.core {
+            Some(core) => format!("{}, {core} kernels", self.library),
+            None => self.library.clone(),
+        }
     }
 }
 
@@ -101,9 +105,8 @@ pub fn get() -> Option<&'static Blas> {
     chosen().0.as_ref()
 }
 
-/// What the op's matrix products run on, in one line: for f32 the library and its kernels (or
-/// Flex's `gemm`, and why), for bf16 the kernel or the fallback, then the CPU and its vector
-/// features.
+/// What the op's f32 matrix products run on: the library and its kernels (and file), or Flex's
+/// `gemm` and why.
 pub fn report() -> &'static str {
     &chosen().1
 }
@@ -112,20 +115,12 @@ fn chosen() -> &'static (Option<Blas>, String) {
     static CHOSEN: OnceLock<(Option<Blas>, String)> = OnceLock::new();
     CHOSEN.get_or_init(|| {
         let (blas, why) = load();
-        let kernel = match (&blas, why) {
-            (Some(blas), _) => format!("{} ({})", blas.kernel, blas.path),
+        let report = match (&blas, why) {
+            (Some(blas), _) => format!("{} ({})", blas.kernel(), blas.path),
             (None, Some(why)) => format!("Flex's gemm: {why}"),
             (None, None) => "Flex's gemm: no BLAS library found".to_string(),
         };
-        let bf16 = if crate::bf16::available() {
-            "ffn's avx512_bf16 kernel"
-        } else {
-            "rounded operands widened to f32 (no avx512_bf16)"
-        };
-        (
-            blas,
-            format!("{kernel}; bf16: {bf16}; CPU: {}", cpu::describe()),
-        )
+        (blas, report)
     })
 }
 
@@ -147,7 +142,7 @@ fn load() -> (Option<Blas>, Option<String>) {
             None,
             Some(format!(
                 "{} runs its {core} kernels on this AVX-512 CPU",
-                blas.kernel_library()
+                blas.library
             )),
         ),
         _ => (Some(blas), None),
@@ -206,16 +201,12 @@ fn open(path: &str, rayon: bool) -> Option<Blas> {
         (Some(_), None) => "OpenBLAS".to_string(),
         _ => path.rsplit('/').next().unwrap_or(path).to_string(),
     };
-    let kernel = match &core {
-        Some(core) => format!("{library}, {core} kernels"),
-        None => library,
-    };
     Some(Blas {
         sgemm,
         path: path.to_string(),
         rayon,
+        library,
         core,
-        kernel,
     })
 }
 
@@ -407,12 +398,11 @@ mod tests {
     }
 
     #[test]
-    fn the_report_names_the_kernel_and_the_cpu() {
+    fn the_report_names_the_kernel() {
         let report = report();
-        assert!(report.contains("; CPU: "), "{report}");
         match get() {
-            Some(blas) => assert!(report.starts_with(&blas.kernel), "{report}"),
-            None => assert!(report.starts_with("Flex's gemm"), "{report}"),
+            Some(blas) => assert!(report.starts_with(&blas.kernel()), "{report}"),
+            None => assert!(report.starts_with("Flex's gemm: "), "{report}"),
         }
     }
 }

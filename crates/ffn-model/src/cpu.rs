@@ -42,7 +42,7 @@ impl Kernels for Flex {
     fn ffn_matmul(lhs: FlexTensor, rhs: FlexTensor) -> FlexTensor {
         use burn::backend::ops::FloatTensorOps;
         if lhs.dtype() == DType::BF16 && rhs.dtype() == DType::BF16 {
-            return if bf16::available() && !tests::widening() {
+            return if bf16::available() && !widening() {
                 matmul_bf16(lhs, rhs)
             } else {
                 matmul_bf16_widened(lhs, rhs)
@@ -167,10 +167,21 @@ fn matmul_blas(blas: &blas::Blas, lhs: FlexTensor, rhs: FlexTensor) -> FlexTenso
         return FlexTensor::from_data(burn::tensor::TensorData::new(c, [m, n]));
     }
     // No zero fill: with β = 0 the SGEMM writes every element of C without reading it.
+    // SAFETY: `operand` checked the layouts; the SGEMM writes all m·n floats.
+    unsafe { product(m, n, |c| blas.sgemm(m, n, k, a, b, c)) }
+}
+
+/// A new `[m, n]` f32 tensor whose every element `write` stores through the pointer it is
+/// given, without zeroing it first.
+///
+/// # Safety
+///
+/// `write` must write all `m · n` floats.
+unsafe fn product(m: usize, n: usize, write: impl FnOnce(*mut f32)) -> FlexTensor {
     let mut c: Vec<std::mem::MaybeUninit<f32>> = Vec::with_capacity(m * n);
-    // SAFETY: `operand` checked the layouts; `c` has room for m·n floats, all written here.
+    write(c.as_mut_ptr().cast::<f32>());
+    // SAFETY: the caller's contract: every element is initialised.
     let c = unsafe {
-        blas.sgemm(m, n, k, a, b, c.as_mut_ptr().cast::<f32>());
         c.set_len(m * n);
         let mut c = std::mem::ManuallyDrop::new(c);
         Vec::from_raw_parts(c.as_mut_ptr().cast::<f32>(), c.len(), c.capacity())
@@ -210,15 +221,8 @@ fn matmul_bf16(lhs: FlexTensor, rhs: FlexTensor) -> FlexTensor {
     );
     let [m, k] = lhs.layout().shape().dims::<2>();
     let n = rhs.layout().shape()[1];
-    let mut c: Vec<std::mem::MaybeUninit<f32>> = Vec::with_capacity(m * n);
-    // SAFETY: the strides address the operands' shapes; `gemm` writes all m·n floats of `c`.
-    let c = unsafe {
-        bf16::gemm(m, n, k, a, b, c.as_mut_ptr().cast::<f32>());
-        c.set_len(m * n);
-        let mut c = std::mem::ManuallyDrop::new(c);
-        Vec::from_raw_parts(c.as_mut_ptr().cast::<f32>(), c.len(), c.capacity())
-    };
-    FlexTensor::from_data(burn::tensor::TensorData::new(c, [m, n]))
+    // SAFETY: the strides address the operands' shapes; `gemm` writes all m·n floats.
+    unsafe { product(m, n, |c| bf16::gemm(m, n, k, a, b, c)) }
 }
 
 /// A 2-D tensor as a BLAS operand: row-major (`trans = false`) or the transpose of a row-major
@@ -617,12 +621,13 @@ fn gelu(x: f32) -> (f32, f32) {
     (x * cdf, cdf + x * exp(-0.5 * x * x) * FRAC_1_SQRT_2PI)
 }
 
-/// Without tests, the kernel is chosen by the CPU alone.
-#[cfg(not(test))]
-mod tests {
-    pub(super) fn widening() -> bool {
-        false
-    }
+/// Whether bf16 products take the widening fallback on a CPU that has the bf16 kernel: only
+/// inside [`tests::widened`]; otherwise the CPU alone decides.
+fn widening() -> bool {
+    #[cfg(test)]
+    return tests::WIDEN.with(std::cell::Cell::get);
+    #[cfg(not(test))]
+    false
 }
 
 #[cfg(test)]
@@ -631,11 +636,7 @@ pub(crate) mod tests {
 
     thread_local! {
         /// Makes bf16 products on this thread take the widening fallback.
-        static WIDEN: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
-    }
-
-    pub(super) fn widening() -> bool {
-        WIDEN.with(std::cell::Cell::get)
+        pub(super) static WIDEN: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
     }
 
     /// Runs `work` with bf16 products on the widening fallback (as on a CPU without

@@ -118,9 +118,21 @@ pub fn keep_freed_memory() {
 ///
 /// ```
 /// let report = ffn_model::cpu_kernels();
-/// assert!(report.contains("; CPU: "));
+/// assert!(report.contains("; bf16: ") && report.contains("; CPU: "));
 /// ```
 #[cfg(feature = "flex")]
 pub fn cpu_kernels() -> &'static str {
-    blas::report()
+    static REPORT: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    REPORT.get_or_init(|| {
+        let bf16 = if bf16::available() {
+            "ffn's avx512_bf16 kernel"
+        } else {
+            "rounded operands widened to f32 (no avx512_bf16)"
+        };
+        format!(
+            "{}; bf16: {bf16}; CPU: {}",
+            blas::report(),
+            blas::cpu::describe()
+        )
+    })
 }

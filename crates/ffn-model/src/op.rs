@@ -161,11 +161,11 @@ pub trait Kernels: Backend {
     /// or both as [`ffn_bf16`](Self::ffn_bf16) returns them: by default those are widened to f32
     /// (exactly) and multiplied as f32.
     fn ffn_matmul(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
-        let f32 = |t: FloatTensor<Self>| match t.dtype() {
-            DType::F32 => t,
-            _ => Self::float_cast(t, FloatDType::F32),
+        let widen = |t: FloatTensor<Self>| match t.dtype() {
+            DType::BF16 => Self::float_cast(t, FloatDType::F32),
+            _ => t,
         };
-        Self::float_matmul(f32(lhs), f32(rhs))
+        Self::float_matmul(widen(lhs), widen(rhs))
     }
 
     /// `t` rounded to bf16 (to nearest, ties to even), as a matrix product's operand: by default
