@@ -19,9 +19,12 @@
 //! speed it reaches with its AVX-512 kernels, and 0.55–0.6× Flex's own AVX-512 product on the
 //! FFN: BENCHMARKS.md). So when the CPU has AVX-512 and the OpenBLAS found (not one named by
 //! `FFN_BLAS`) reports kernels without it, ffn passes it over and uses Flex's product, whose
-//! `gemm` crate chooses its kernels from the CPU's features. `OPENBLAS_CORETYPE` (set before
-//! the process starts) still tells OpenBLAS which kernels to run; with it set, ffn takes the
-//! library as it is. [`report`] names what was chosen and why.
+//! `gemm` crate chooses its kernels from the CPU's features. That holds whether OpenBLAS chose
+//! the narrow kernels itself or was told to by `OPENBLAS_CORETYPE` (an environment variable
+//! that machine images and tox set for whole sessions, so rarely a choice made for ffn):
+//! `FFN_BLAS` is ffn's override, and `OPENBLAS_CORETYPE=SkylakeX` (or `Cooperlake`) gives
+//! OpenBLAS's AVX-512 kernels, which ffn then takes (on Zen 5 about 1.1× Flex's product).
+//! [`report`] names what was chosen and why.
 
 use std::cell::Cell;
 use std::ffi::{CStr, CString, c_char, c_int, c_void};
@@ -136,15 +139,20 @@ fn load() -> (Option<Blas>, Option<String>) {
     let Some(blas) = candidates.into_iter().find_map(|path| open(path, rayon)) else {
         return (None, None);
     };
-    let coretype_set = std::env::var_os("OPENBLAS_CORETYPE").is_some();
     match &blas.core {
-        Some(core) if !named && !coretype_set && lags(core, cpu::avx512()) => (
-            None,
-            Some(format!(
-                "{} runs its {core} kernels on this AVX-512 CPU",
-                blas.library
-            )),
-        ),
+        Some(core) if !named && lags(core, cpu::avx512()) => {
+            let told = match std::env::var("OPENBLAS_CORETYPE") {
+                Ok(coretype) => format!(" (OPENBLAS_CORETYPE={coretype})"),
+                Err(_) => String::new(),
+            };
+            (
+                None,
+                Some(format!(
+                    "{} runs its {core} kernels{told} on this AVX-512 CPU",
+                    blas.library
+                )),
+            )
+        }
         _ => (Some(blas), None),
     }
 }

@@ -497,9 +497,7 @@ impl TrainConfig {
         for assignment in overrides {
             apply_override(&mut table, assignment)?;
         }
-        let config: Self = table
-            .try_into()
-            .map_err(|e: toml::de::Error| Error::Config(toml_error(text, &e)))?;
+        let config = from_table::<Self>(table)?;
         config.validate()?;
         Ok(config)
     }
@@ -991,6 +989,21 @@ pub(crate) fn toml_error(text: &str, e: &toml::de::Error) -> String {
         }
         _ => message,
     }
+}
+
+/// A table (a config file with its `--set` overrides applied) as `T`. The table has lost the
+/// file's positions, so an error names the key instead: `train.precision: unknown variant
+/// \`fp8\`, expected one of \`f32\`, \`bf16\`, \`bfloat16\``.
+pub(crate) fn from_table<T: serde::de::DeserializeOwned>(table: toml::Table) -> Result<T> {
+    serde_path_to_error::deserialize(table).map_err(|e| {
+        let path = e.path().to_string();
+        let message = e.inner().message().trim().replace('\n', " ");
+        Error::Config(if path == "." {
+            message
+        } else {
+            format!("{path}: {message}")
+        })
+    })
 }
 
 /// Applies `a.b.c=value` to a TOML table. The value is read as TOML (`500`, `0.1`, `true`,

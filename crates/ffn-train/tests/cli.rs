@@ -173,6 +173,20 @@ fn every_error_is_one_clear_line() {
     };
 
     assert_error(&train(&["--set", "train.stepz=5"]), "stepz");
+    // A value of the wrong kind names its key (the table has lost the file's positions).
+    assert_error(
+        &train(&["--set", "train.precision=fp8"]),
+        "train.precision: unknown variant `fp8`, expected one of `f32`, `bf16`",
+    );
+    assert_error(
+        &train(&["--set", "train.steps=many"]),
+        "train.steps: invalid type: string \"many\"",
+    );
+    // Inside a section chosen by its `kind` (serde buffers it), the section is named.
+    assert_error(
+        &train(&["--set", "model.ffn.dropout=high"]),
+        "model: invalid type: string \"high\", expected f64",
+    );
     assert_error(
         &train(&["--set", "train.batch_size=0"]),
         "train.batch_size must be at least 1",
@@ -507,6 +521,65 @@ fn a_bf16_run_trains_like_the_f32_run() {
         &ffn_train(&args, &dir),
         "does not apply to a mixture of experts",
     );
+}
+
+/// The f32 kernel follows the CPU, not a library older than it nor an `OPENBLAS_CORETYPE`
+/// left in the environment: on a CPU with AVX-512, an OpenBLAS told to run its AVX2 (`Haswell`)
+/// kernels is passed over for Flex's AVX-512 product, and the header says why; its AVX-512
+/// kernels (`SkylakeX`) are taken, and so is any library `FFN_BLAS` names. Without AVX-512 the
+/// library runs as told. (Where no OpenBLAS is installed, every run reports Flex's product.)
+#[test]
+fn the_f32_kernel_follows_the_cpu_not_openblas_coretype() {
+    let dir = scratch("cli-kernels");
+    let config = tiny(&dir);
+    let config = config.to_str().unwrap();
+    let runs = std::cell::Cell::new(0);
+    let header = |vars: &[(&str, &str)]| {
+        runs.set(runs.get() + 1);
+        let run = format!("run{}", runs.get());
+        let args = ["train", "--config", config, "--run", &run, "--steps", "2"];
+        let out = common::ffn_train_with(&args, &dir, vars);
+        assert_quiet_success(&out);
+        let text = stdout(&out);
+        let line = text
+            .lines()
+            .find_map(|l| l.strip_prefix("matrix products: "))
+            .unwrap_or_else(|| panic!("no kernel line in\n{text}"))
+            .to_string();
+        line.split("; bf16:").next().unwrap().to_string()
+    };
+    let avx512 = ffn_model::cpu_kernels().contains("avx512bw");
+    let narrow = header(&[("OPENBLAS_CORETYPE", "Haswell")]);
+    if !narrow.contains("OpenBLAS") {
+        assert!(narrow.starts_with("Flex's gemm"), "{narrow}");
+        return;
+    }
+    if avx512 {
+        assert!(
+            narrow.starts_with("Flex's gemm: OpenBLAS")
+                && narrow
+                    .contains("Haswell kernels (OPENBLAS_CORETYPE=Haswell) on this AVX-512 CPU"),
+            "{narrow}"
+        );
+        let wide = header(&[("OPENBLAS_CORETYPE", "SkylakeX")]);
+        assert!(
+            wide.starts_with("OpenBLAS") && wide.contains("SkylakeX kernels"),
+            "{wide}"
+        );
+        let named = header(&[
+            ("OPENBLAS_CORETYPE", "Haswell"),
+            ("FFN_BLAS", "libopenblas.so.0"),
+        ]);
+        assert!(
+            named.starts_with("OpenBLAS") && named.contains("Haswell kernels"),
+            "{named}"
+        );
+    } else {
+        assert!(
+            narrow.starts_with("OpenBLAS") && narrow.contains("Haswell kernels"),
+            "{narrow}"
+        );
+    }
 }
 
 /// Every file under `dir`.

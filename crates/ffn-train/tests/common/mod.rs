@@ -121,13 +121,19 @@ pub fn snapshot(dir: &Path) -> Vec<(PathBuf, Vec<u8>)> {
 /// cells): on Linux the dynamic loader's trace shows which libraries each process opened, and
 /// none may be a GPU driver's.
 pub fn ffn_train(args: &[&str], cwd: &Path) -> Output {
+    ffn_train_with(args, cwd, &[])
+}
+
+/// [`ffn_train`] with these environment variables set.
+pub fn ffn_train_with(args: &[&str], cwd: &Path, vars: &[(&str, &str)]) -> Output {
     let gpu = args.iter().any(|a| matches!(*a, "wgpu" | "cuda"));
     let mut command = Command::new(env!("CARGO_BIN_EXE_ffn-train"));
     command
         .args(args)
         .current_dir(cwd)
         .env_remove("FFN_DEVICE")
-        .env_remove("XDG_RUNTIME_DIR");
+        .env_remove("XDG_RUNTIME_DIR")
+        .envs(vars.iter().copied());
     let runtime = cwd.join(".xdg-runtime");
     if gpu {
         std::fs::create_dir_all(&runtime).unwrap();
