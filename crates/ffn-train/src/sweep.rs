@@ -9,6 +9,8 @@
 //! # or a named FFN of your own: a preset's activation and gating, a width, optionally sparse
 //! # variants = ["FFN_SwiGLU", { name = "MoE-8x86", preset = "SwiGLU", d_ff = 86,
 //! #                            moe = { n_experts = 8, top_k = 2 } }]
+//! # or a preset in mixed precision, paired with its f32 self:
+//! # variants = ["FFN_SwiGLU", { name = "SwiGLU-bf16", preset = "SwiGLU", precision = "bf16" }]
 //! seeds = [1, 2, 3]
 //! lrs = [1e-3, 3e-3]          # the learning-rate grid (a task may give its own)
 //! baseline = "FFN_ReLU"       # what every other variant is tested against
@@ -159,6 +161,9 @@ pub struct CustomVariant {
     /// A mixture of experts: the table of `model.ffn.moe` (`{ n_experts = 8, top_k = 2 }`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub moe: Option<toml::Table>,
+    /// The FFNs' matrix products' precision, `train.precision` (default: the task's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub precision: Option<ffn_model::Precision>,
 }
 
 impl SweepVariant {
@@ -189,6 +194,13 @@ impl SweepVariant {
                 }
                 if let Some(moe) = &c.moe {
                     set.push(format!("model.ffn.moe={}", toml::Value::Table(moe.clone())));
+                }
+                if let Some(precision) = c.precision {
+                    let name = match precision {
+                        ffn_model::Precision::F32 => "f32",
+                        ffn_model::Precision::Bf16 => "bf16",
+                    };
+                    set.push(format!("train.precision=\"{name}\""));
                 }
                 set
             }
@@ -229,8 +241,8 @@ impl<'de> Deserialize<'de> for SweepVariant {
                     })
             }
             other => Err(D::Error::custom(format!(
-                "a variant is a preset's name or a table {{ name, preset, d_ff, moe }}, not \
-                 `{other}`"
+                "a variant is a preset's name or a table {{ name, preset, d_ff, moe, precision }}, \
+                 not `{other}`"
             ))),
         }
     }

@@ -421,6 +421,17 @@ fn sweeps_refuse_what_would_make_them_unfair_or_ambiguous() {
         &named(r#"{ name = "moe", preset = "GELU", moe = { n_experts = 2, top_k = 3 } }"#),
         "top_k",
     );
+    // A named variant's precision is `train.precision`'s: known names only, and no mixture.
+    check(
+        &named(r#"{ name = "lowp", preset = "GELU", precision = "fp8" }"#),
+        "fp8",
+    );
+    check(
+        &named(
+            r#"{ name = "moe", preset = "GELU", precision = "bf16", moe = { n_experts = 2, top_k = 1 } }"#,
+        ),
+        "does not apply to a mixture of experts",
+    );
     check(&SWEEP.replace("seeds", "sedes"), "sedes");
     // A base config that fixes the FFN's width, or makes it sparse, breaks parameter parity.
     check(
@@ -546,4 +557,39 @@ config = "lm.toml"
     );
     assert!(report.contains(&moe_row), "{report}");
     assert!(report.contains("| MoE-4x22 | SwiGLU-88 | 2 |"), "{report}");
+}
+
+/// A variant may set the FFNs' precision: the bf16 twin of a preset is paired, seed by seed, with
+/// its f32 self, which is how the mixed-precision recipe's cost in loss is measured (with its
+/// interval, in the summary).
+#[test]
+fn a_variant_sets_its_precision_and_is_paired_with_its_f32_self() {
+    let dir = scratch("sweep-precision");
+    let sweep = r#"
+variants = ["FFN_SwiGLU", { name = "SwiGLU-bf16", preset = "SwiGLU", precision = "bf16" }]
+seeds = [1, 2]
+baseline = "FFN_SwiGLU"
+
+[[tasks]]
+name = "lm"
+config = "lm.toml"
+"#;
+    write_sweep(&dir, sweep);
+    let out = ffn_train(&["sweep", "--config", "tiny.toml", "--out", "o"], &dir);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let results = lines(&dir.join("o/results.jsonl"));
+    assert_eq!(results.len(), 4);
+    for (variant, precision) in [("FFN_SwiGLU", "F32"), ("SwiGLU-bf16", "Bf16")] {
+        let cell = dir.join(format!("o/cells/lm/{variant}/seed-1_lr-1e-2"));
+        let ffn = std::fs::read_to_string(cell.join("ffn.toml")).unwrap();
+        let ffn = ffn_model::FeedForwardConfig::from_toml(&ffn).unwrap();
+        assert_eq!(format!("{:?}", ffn.precision), precision, "{variant}");
+    }
+    let summary: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("o/summary.json")).unwrap())
+            .unwrap();
+    let comparison = &summary["comparisons"][0];
+    assert_eq!(comparison["variant"], "SwiGLU-bf16");
+    let difference = comparison["mean_difference"].as_f64().unwrap();
+    assert!(difference.abs() < 0.01, "bf16 − f32 gap: {difference}");
 }
