@@ -18,14 +18,43 @@ fn configs() -> Vec<std::path::PathBuf> {
     files
 }
 
+/// Each loads, and (without a mixture of experts) loads in bf16 too.
 #[test]
 fn every_shipped_config_is_valid() {
     let files = configs();
-    assert_eq!(files.len(), 6 + 8, "{files:?}");
+    assert_eq!(files.len(), 7 + 8, "{files:?}");
     for file in &files {
         let config = TrainConfig::load(file, &[]).unwrap_or_else(|e| panic!("{e}"));
         config.ffn().unwrap();
+        if config.moe().unwrap().is_none() {
+            let bf16 = TrainConfig::load(file, &["train.precision=bf16".into()])
+                .unwrap_or_else(|e| panic!("{}: {e}", file.display()));
+            assert_eq!(bf16.ffn().unwrap().precision, ffn::model::Precision::Bf16);
+        }
     }
+}
+
+/// `configs/gpt.toml` is a small GPT at nanoGPT's scale, where the products dominate: d_model
+/// 256, 4 layers, a SwiGLU FFN at parameter parity, 128 tokens of context, on a Markov source
+/// (a known optimum), in f32 unless told otherwise.
+#[test]
+fn the_gpt_config_is_a_small_gpt_on_the_markov_source() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let gpt = TrainConfig::load(&root.join("configs/gpt.toml"), &[]).unwrap();
+    let TaskConfig::Markov(task) = &gpt.task else {
+        panic!("a Markov task")
+    };
+    assert_eq!(task.seq_len, 128);
+    let ModelConfig::Transformer(model) = &gpt.model else {
+        panic!("a transformer")
+    };
+    assert!(model.d_model >= 256 && model.n_layers >= 4, "{model:?}");
+    let ffn = gpt.ffn().unwrap();
+    assert_eq!(
+        (ffn.activation, ffn.gated, ffn.d_ff),
+        (Activation::Silu, true, 683)
+    );
+    assert_eq!(ffn.precision, ffn::model::Precision::F32);
 }
 
 /// `configs/moe.toml` is the default run with each FFN replaced by 8 experts of half its

@@ -4,6 +4,10 @@ thread count, one JSON object per row on stdout.
 
     python3 tools/bench_torch.py [--threads N] [--repeats N] [--variants SwiGLU,FFN_GELU]
                                  [--modes forward,fwd+bwd,fwd+bwd-w,step,block]
+                                 [--precision f32,bf16]
+
+--precision bf16 times each row again under `torch.autocast("cpu", dtype=torch.bfloat16)`
+(impl "pytorch-autocast"), the one line a PyTorch user writes for mixed precision.
     python3 tools/bench_torch.py --memory [--threads N] [--variants ...]
 
 --memory: the peak memory of three AdamW steps above the resident set before them, each
@@ -125,6 +129,7 @@ def main():
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--modes", default="forward,fwd+bwd,fwd+bwd-w,step,block")
+    parser.add_argument("--precision", default="f32", help="f32, bf16 (autocast) or both")
     parser.add_argument("--memory", action="store_true")
     parser.add_argument("--plain-allocator", action="store_true",
                         help="time with glibc's default allocator settings")
@@ -193,10 +198,15 @@ def main():
             timed = {"forward": forward, "fwd+bwd": backward(x_grad), "fwd+bwd-w": backward(x),
                      "step": step, "block": block}
             for mode in [m for m in timed if m in modes]:
-                ms = median(args.repeats, timed[mode]) * 1e3
-                print(json.dumps({"impl": "pytorch", "variant": name, "d_model": d_model,
-                                  "d_ff": d_ff(name, d_model), "tokens": tokens, "mode": mode,
-                                  "ms": ms, "threads": args.threads}), flush=True)
+                for precision in args.precision.split(","):
+                    bf16 = {"f32": False, "bf16": True}[precision]
+                    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                        ms = median(args.repeats, timed[mode]) * 1e3
+                    print(json.dumps({"impl": "pytorch-autocast" if bf16 else "pytorch",
+                                      "variant": name, "d_model": d_model,
+                                      "d_ff": d_ff(name, d_model), "tokens": tokens,
+                                      "mode": mode, "ms": ms, "threads": args.threads}),
+                          flush=True)
 
 
 if __name__ == "__main__":

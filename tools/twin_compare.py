@@ -3,6 +3,10 @@
 
     python3 tools/twin_compare.py [--configs default,configs/window.toml,configs/text.toml] [--steps 300]
                                   [--rounds 2] [--threads 2] [--binary target/release/ffn-train]
+                                  [--precision f32,bf16]
+
+--precision runs each config in each precision (`--set train.precision=...`); the twin of a bf16
+run trains under torch.autocast (see tools/twin_torch.py).
 
 For each config and round: `ffn-train train` (evaluation and checkpoints only at the end), then
 the twin on that run's resolved config. ffn's tokens/s is its summary's (training steps only);
@@ -38,7 +42,7 @@ def cpu_flags():
     for line in open("/proc/cpuinfo"):
         if line.startswith("flags"):
             flags = line.split(":", 1)[1].split()
-            return " ".join(f for f in ["avx2", "fma", "avx512f"] if f in flags)
+            return " ".join(f for f in ["avx2", "fma", "avx512f", "avx512_bf16"] if f in flags)
     return "?"
 
 
@@ -61,6 +65,7 @@ def main():
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--binary", default="target/release/ffn-train")
     p.add_argument("--plain-allocator", action="store_true")
+    p.add_argument("--precision", default="f32", help="f32, bf16 or both (f32,bf16)")
     a = p.parse_args()
     env = dict(os.environ, RAYON_NUM_THREADS=str(a.threads), OMP_NUM_THREADS=str(a.threads))
     twin_env = dict(env)
@@ -73,9 +78,10 @@ def main():
     rows = {}
     with tempfile.TemporaryDirectory() as scratch:
         for r in range(a.rounds):
-            for config in a.configs.split(","):
-                run = os.path.join(scratch, f"{os.path.basename(config)}-{r}")
-                cmd = [a.binary, "train", "--run", run]
+            for config, precision in [(c, p) for c in a.configs.split(",")
+                                      for p in a.precision.split(",")]:
+                run = os.path.join(scratch, f"{os.path.basename(config)}-{precision}-{r}")
+                cmd = [a.binary, "train", "--run", run, "--set", f"train.precision={precision}"]
                 if config != "default":
                     cmd += ["--config", config]
                 for key in ["steps", "eval_every", "checkpoint_every", "log_every"]:
@@ -93,9 +99,10 @@ def main():
                         "--threads", str(a.threads), "--steps", str(a.steps)]
                 out, _ = timed(twin, twin_env)
                 torch = json.loads(out.strip().splitlines()[-1])
-                rows.setdefault(config, []).append((ffn, (torch["tokens_per_s"], torch["cores_busy"])))
+                label = f"{config} ({precision})"
+                rows.setdefault(label, []).append((ffn, (torch["tokens_per_s"], torch["cores_busy"])))
                 print(
-                    f"round {r + 1} {config}: ffn {ffn[0]:,.0f} tok/s ({ffn[1]:.2f} cores), "
+                    f"round {r + 1} {label}: ffn {ffn[0]:,.0f} tok/s ({ffn[1]:.2f} cores), "
                     f"PyTorch {torch['tokens_per_s']:,.0f} tok/s ({torch['cores_busy']:.2f} cores)",
                     file=sys.stderr,
                 )

@@ -17,7 +17,10 @@ The networks (ffn-train's `model.rs`):
 - window: the embeddings of the last `window` tokens (a padding row before the start),
   concatenated, a linear projection, `x += FFN(LN(x))`, a linear head.
 The loss is the mean next-token cross-entropy; AdamW (beta1, beta2, weight decay) with global
-gradient-norm clipping. The token stream is uniform noise: the work per step does not depend on it.
+gradient-norm clipping. A run with `train.precision = "bf16"` has its forward pass and loss run
+under `torch.autocast("cpu", dtype=torch.bfloat16)`, the one line a PyTorch user writes: autocast
+takes every linear layer to bf16 (ffn rounds the FFNs' products only), and keeps the
+parameters, the softmax, the norms and the loss in f32. The token stream is uniform noise: the work per step does not depend on it.
 """
 
 import argparse
@@ -179,11 +182,14 @@ def main():
         weight_decay=t.get("weight_decay", 0.0),
     )
     steps = a.steps or t["steps"]
+    precision = t.get("precision", "f32")
+    bf16 = {"f32": False, "bf16": True, "bfloat16": True}[precision]
 
     def step():
         tokens = torch.randint(0, vocab, (batch, seq + 1))
-        logits = model(tokens[:, :-1])
-        loss = F.cross_entropy(logits.reshape(-1, vocab), tokens[:, 1:].reshape(-1))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            logits = model(tokens[:, :-1])
+            loss = F.cross_entropy(logits.reshape(-1, vocab), tokens[:, 1:].reshape(-1))
         optim.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), t.get("grad_clip", 1.0))
@@ -204,6 +210,7 @@ def main():
                 "torch": torch.__version__,
                 "threads": a.threads,
                 "attention": a.attention,
+                "precision": "bf16 (torch.autocast)" if bf16 else "f32",
                 "steps": steps,
                 "tokens_per_s": steps * batch * seq / wall,
                 "cores_busy": cpu / wall,
