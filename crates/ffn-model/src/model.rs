@@ -206,12 +206,9 @@ impl FeedForward {
         if self.precision == Precision::F32 || !f32 || !op::rounds_bf16(&x.device()) {
             return layer.forward(x);
         }
-        fn bf16<const D: usize>(t: Tensor<D>) -> Tensor<D> {
-            let rounded = t.clone().cast(burn::tensor::DType::BF16).cast(t.dtype());
-            t.clone() + (rounded - t).detach()
-        }
-        let weight = bf16(layer.weight.val());
-        burn::tensor::module::linear(bf16(x), weight, layer.bias.as_ref().map(|b| b.val()))
+        let weight = op::straight_through_bf16(layer.weight.val());
+        let bias = layer.bias.as_ref().map(|b| b.val());
+        burn::tensor::module::linear(op::straight_through_bf16(x), weight, bias)
     }
 
     /// Dropout's mask `m / (1 − p)` for a tensor of `shape` on `x`'s device, where dropout is

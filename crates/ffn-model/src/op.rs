@@ -268,7 +268,7 @@ impl<B: Backend> core::fmt::Debug for Weights<B> {
 
 /// A matrix product's operand in `precision`: `t` itself in f32, rounded to bf16 (once: a tensor
 /// already rounded is left as it is) in bf16.
-fn operand<B: Kernels>(t: FloatTensor<B>, precision: Precision) -> FloatTensor<B> {
+pub(crate) fn operand<B: Kernels>(t: FloatTensor<B>, precision: Precision) -> FloatTensor<B> {
     match precision {
         Precision::Bf16 if t.dtype() == DType::F32 => B::ffn_bf16(t),
         _ => t,
@@ -1001,6 +1001,16 @@ pub fn supported(device: &burn::tensor::Device) -> bool {
         #[allow(unreachable_patterns)]
         _ => false,
     }
+}
+
+/// `t` rounded to bf16 and back, the rounding transparent to the gradient: the straight-through
+/// `t + (bf16(t) − t)`, with the difference detached (exact in f32). The composed networks'
+/// operands in [`Precision::Bf16`].
+pub(crate) fn straight_through_bf16<const D: usize>(
+    t: burn::tensor::Tensor<D>,
+) -> burn::tensor::Tensor<D> {
+    let rounded = t.clone().cast(DType::BF16).cast(t.dtype());
+    t.clone() + (rounded - t).detach()
 }
 
 /// Whether [`Precision::Bf16`] rounds the operands on `device`: on Flex; NdArray (no bf16

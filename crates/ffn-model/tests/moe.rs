@@ -258,6 +258,72 @@ fn the_layer_equals_a_dense_reference() {
     }
 }
 
+/// `precision = "bf16"` in a mixture's experts, on f32 layers (every config: both scorings,
+/// biases, shared experts, both memory modes): the op and the composed path compute the same
+/// rounded forward pass (their backward passes differ by the op's rounding of `dy` and
+/// `d(pre)`, within bf16's precision); the rounding shows against the f32 layer, within bf16's
+/// precision; and the router stays f32: its logits are the f32 layer's, bit for bit.
+#[test]
+fn bf16_experts_round_their_products_and_the_router_stays_f32() {
+    let device = device();
+    for (name, config) in configs() {
+        let mut bf16_config = config.clone();
+        bf16_config.expert.precision = ffn_model::Precision::Bf16;
+        // The same parameters, in two precisions.
+        let f32_moe = config.init(&device);
+        let bf16_moe = bf16_config
+            .init(&device)
+            .load_record(f32_moe.clone().into_record());
+        let mut rng = Rng(11);
+        let (x, g) = (rng.data(&[13, D]), rng.data(&[13, D]));
+        let f32_tensor =
+            |data: &TensorData| Tensor::<2>::from_data(data.clone(), (&device, DType::F32));
+        let run = |moe: &Moe, composed: bool| {
+            let x = f32_tensor(&x).require_grad();
+            let out = if composed {
+                moe.forward_composed(x.clone())
+            } else {
+                moe.forward(x.clone())
+            };
+            let logits = values(out.router_logits);
+            let y = out.output;
+            let grads = (y.clone() * f32_tensor(&g)).sum().backward();
+            let mut all = vec![
+                ("y".to_string(), values(y)),
+                ("x".to_string(), values(x.grad(&grads).unwrap())),
+            ];
+            all.extend(param_grads(moe, &grads));
+            (all, logits)
+        };
+        let (op, logits) = run(&bf16_moe, false);
+        let (composed, _) = run(&bf16_moe, true);
+        let (f32_op, f32_logits) = run(&f32_moe, false);
+        assert_eq!(logits, f32_logits, "{name}: the router computes in f32");
+        let bf16_scale = 2f64.powi(-6);
+        for (((tensor, a), (_, c)), (_, f)) in op.iter().zip(&composed).zip(&f32_op) {
+            let (vs_composed, vs_f32) = (error(a, c), error(a, f));
+            if tensor == "y" {
+                assert!(
+                    vs_composed < 1e-5,
+                    "{name} {tensor}: op vs composed {vs_composed:e}"
+                );
+                assert!(
+                    vs_f32 > 1e-5,
+                    "{name}: bf16 hardly differs from f32: {vs_f32:e}"
+                );
+            }
+            assert!(
+                vs_composed < bf16_scale,
+                "{name} {tensor}: op vs composed {vs_composed:e}"
+            );
+            assert!(
+                vs_f32 < bf16_scale,
+                "{name} {tensor}: bf16 vs f32 {vs_f32:e}"
+            );
+        }
+    }
+}
+
 /// Finite differences along random directions, for `x`, the router and every expert tensor
 /// (routing is piecewise constant: ε = 1e-6 does not move a token across a choice here).
 #[test]
@@ -517,9 +583,10 @@ fn invalid_configs_are_typed_errors() {
     let mut dropout = base();
     dropout.expert.dropout = 0.1;
     assert_eq!(moe_field(dropout), "expert.dropout");
+    // bf16 experts are valid (the grouped op rounds their products).
     let mut bf16 = base();
     bf16.expert.precision = ffn_model::Precision::Bf16;
-    assert_eq!(moe_field(bf16), "expert.precision");
+    bf16.validate().unwrap();
     assert!(matches!(
         MoeConfig {
             n_experts: 1 << 20,

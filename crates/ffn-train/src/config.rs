@@ -421,8 +421,9 @@ pub struct TrainSettings {
     pub shards: usize,
     /// The number format of the FFNs' matrix products: `"f32"` (default) or `"bf16"` (bf16
     /// operands, f32 sums: [`ffn_model::Precision`]). Parameters, gradients and AdamW's state
-    /// stay f32. It applies to the FFNs (the teacher of a teacher-student task excepted);
-    /// attention and the loss compute in f32.
+    /// stay f32. It applies to the FFNs, dense or a mixture's experts (the teacher of a
+    /// teacher-student task excepted; a mixture's router stays f32); attention and the loss
+    /// compute in f32.
     pub precision: Precision,
 }
 
@@ -545,14 +546,6 @@ impl TrainConfig {
             return fail(
                 "`expert` is not a field here: the experts are the FFN of `model.ffn`".into(),
             );
-        }
-        if self.train.precision != Precision::F32 {
-            return Err(Error::Config(
-                "train.precision = \"bf16\" does not apply to a mixture of experts yet (its \
-                 grouped experts compute in f32): remove model.ffn.moe or set \
-                 train.precision = \"f32\""
-                    .into(),
-            ));
         }
         let mut table = table.clone();
         let expert = serde_json::to_value(self.ffn()?).expect("a FeedForwardConfig serialises");

@@ -483,7 +483,7 @@ fn a_cpu_run_never_starts_a_gpu_runtime() {
 
 /// `train.precision = "bf16"`: the FFN's config records it, and a run trains as the f32 run does
 /// to within bf16's rounding (the same seed, the same batches: the final validation losses
-/// within 0.01 nats). A mixture of experts refuses it in one line.
+/// within 0.01 nats), a mixture of experts too.
 #[test]
 fn a_bf16_run_trains_like_the_f32_run() {
     let dir = scratch("cli-bf16");
@@ -505,22 +505,28 @@ fn a_bf16_run_trains_like_the_f32_run() {
     };
     let (f32, bf16) = (last("f32"), last("bf16"));
     assert!((f32 - bf16).abs() < 0.01, "f32 {f32}, bf16 {bf16}");
+    // A mixture's experts too: the run trains as its f32 run does.
     let moe = "model.ffn.moe={ n_experts = 4, top_k = 2 }";
-    let args = [
-        "train",
-        "--config",
-        config,
-        "--set",
-        "train.precision=bf16",
-        "--set",
-        "model.ffn.dropout=0",
-        "--set",
-        moe,
-    ];
-    assert_error(
-        &ffn_train(&args, &dir),
-        "does not apply to a mixture of experts",
-    );
+    for precision in ["f32", "bf16"] {
+        let set = format!("train.precision={precision}");
+        let run = format!("moe-{precision}");
+        let args = [
+            "train",
+            "--config",
+            config,
+            "--run",
+            &run,
+            "--set",
+            &set,
+            "--set",
+            "model.ffn.dropout=0",
+            "--set",
+            moe,
+        ];
+        assert_quiet_success(&ffn_train(&args, &dir));
+    }
+    let (f32, bf16) = (last("moe-f32"), last("moe-bf16"));
+    assert!((f32 - bf16).abs() < 0.01, "MoE: f32 {f32}, bf16 {bf16}");
 }
 
 /// The f32 kernel follows the CPU, not a library older than it nor an `OPENBLAS_CORETYPE`

@@ -421,16 +421,10 @@ fn sweeps_refuse_what_would_make_them_unfair_or_ambiguous() {
         &named(r#"{ name = "moe", preset = "GELU", moe = { n_experts = 2, top_k = 3 } }"#),
         "top_k",
     );
-    // A named variant's precision is `train.precision`'s: known names only, and no mixture.
+    // A named variant's precision is `train.precision`'s: known names only.
     check(
         &named(r#"{ name = "lowp", preset = "GELU", precision = "fp8" }"#),
         "fp8",
-    );
-    check(
-        &named(
-            r#"{ name = "moe", preset = "GELU", precision = "bf16", moe = { n_experts = 2, top_k = 1 } }"#,
-        ),
-        "does not apply to a mixture of experts",
     );
     check(&SWEEP.replace("seeds", "sedes"), "sedes");
     // A base config that fixes the FFN's width, or makes it sparse, breaks parameter parity.

@@ -274,12 +274,6 @@ impl MoeConfig {
                 "dropout inside experts is not supported; set it to 0".into(),
             );
         }
-        if self.expert.precision != crate::Precision::F32 {
-            return invalid(
-                "expert.precision",
-                "the grouped experts compute in f32 only, for now; set it to \"f32\"".into(),
-            );
-        }
         if self.expert.fused_gate_up {
             return invalid(
                 "expert.fused_gate_up",

@@ -17,6 +17,11 @@
 //! Backends without the op (see [`supported`](crate::op::supported)) run the same math composed
 //! from burn's tensor ops ([`experts_composed`]), which is also the reference the op is tested
 //! against.
+//!
+//! In [`Precision::Bf16`](crate::Precision) the products take bf16 operands as in the FFN op:
+//! `X` and the stacked weights are rounded once per forward pass (every expert's slice with
+//! them) and kept rounded for the backward pass, which rounds `dy` and `d(pre)`; the gradients,
+//! biases and element-wise passes stay f32.
 
 use std::sync::Arc;
 
@@ -27,11 +32,11 @@ use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, NodeGuard, Ops, OpsKind};
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{Backend, Slice, TensorMetadata, backend_extension};
-use burn::tensor::Tensor;
+use burn::tensor::{DType, Tensor};
 
 use crate::op::{
-    Kernels, Maybe, Need, Present, Spec, Weights, backward_pass, inference, project_in,
-    project_out_chunked, untrack,
+    Kernels, Maybe, Need, Present, Spec, Weights, backward_pass, inference, operand, project_in,
+    project_out_chunked, rounds_bf16, straight_through_bf16, untrack,
 };
 
 /// Rows per expert: expert `e`'s rows follow those of experts `0..e`.
@@ -127,19 +132,22 @@ fn grouped_inference<B: Kernels>(
         let (e, r) = &active[i];
         inference::<B>(rows::<B>(&x, r), expert_weights::<B>(&w, *e), spec)
     });
-    join::<B>(parts, &x, &w)
+    let dtype = x.dtype();
+    join::<B>(parts, &x, &w, dtype)
 }
 
-/// The groups' outputs as one `[N, d_model]` tensor (empty when no expert has rows).
+/// The groups' outputs as one `[N, d_model]` tensor (empty, of `dtype`, when no expert has
+/// rows).
 fn join<B: Backend>(
     mut parts: Vec<FloatTensor<B>>,
     x: &FloatTensor<B>,
     w: &Weights<B>,
+    dtype: DType,
 ) -> FloatTensor<B> {
     match parts.len() {
         0 => {
             let d_model = w.w_down.shape()[2];
-            B::float_zeros([0, d_model].into(), &x.device(), x.dtype().into())
+            B::float_zeros([0, d_model].into(), &x.device(), dtype.into())
         }
         1 => parts.pop().expect("one part"),
         _ => B::float_cat(parts, 0),
@@ -190,17 +198,24 @@ struct Group<B: Backend> {
 
 #[derive(Debug, Clone)]
 struct Saved<B: Backend> {
+    /// `X` as the products take it (rounded in bf16).
     x: FloatTensor<B>,
     weights: Weights<B>,
     groups: Vec<Group<B>>,
     n_experts: usize,
     spec: Spec,
     present: Present,
+    /// The network's float type: the gradients'.
+    dtype: DType,
 }
 
 /// Expert gradients `[a, b]` (or `[a]`), `None` for an expert without tokens, stacked into
-/// `[E, a, b]` (`[E, a]`) with zeros for the missing ones.
-fn stack<B: Backend>(parts: Vec<Option<FloatTensor<B>>>, like: &FloatTensor<B>) -> FloatTensor<B> {
+/// `[E, a, b]` (`[E, a]`, the shape of `like`) with zeros of `dtype` for the missing ones.
+fn stack<B: Backend>(
+    parts: Vec<Option<FloatTensor<B>>>,
+    like: &FloatTensor<B>,
+    dtype: DType,
+) -> FloatTensor<B> {
     let shape = like.shape();
     let mut one: Vec<usize> = vec![1];
     one.extend(shape.iter().skip(1));
@@ -209,7 +224,7 @@ fn stack<B: Backend>(parts: Vec<Option<FloatTensor<B>>>, like: &FloatTensor<B>) 
         .into_iter()
         .map(|p| match p {
             Some(g) => B::float_reshape(g, one.clone().into()),
-            None => B::float_zeros(one.clone().into(), &device, like.dtype().into()),
+            None => B::float_zeros(one.clone().into(), &device, dtype.into()),
         })
         .collect();
     B::float_cat(parts, 0)
@@ -226,6 +241,7 @@ impl<B: Kernels, const N: usize> Backward<B, N> for ExpertsBackward {
             n_experts,
             spec,
             present,
+            dtype,
         } = ops.state;
         let dy = grads.consume::<B>(&ops.node);
         let parents = present.parents(ops.parents).map(|n| n.map(|n| n.id));
@@ -261,10 +277,10 @@ impl<B: Kernels, const N: usize> Backward<B, N> for ExpertsBackward {
             |parts: Vec<Option<FloatTensor<B>>>, like: &Option<FloatTensor<B>>, need| match (
                 need, like,
             ) {
-                (true, Some(like)) => Some(stack::<B>(parts, like)),
+                (true, Some(like)) => Some(stack::<B>(parts, like, dtype)),
                 _ => None,
             };
-        let dx = need.x.then(|| join::<B>(dx_parts, &x, &w));
+        let dx = need.x.then(|| join::<B>(dx_parts, &x, &w, dtype));
         crate::op::InputGrads::<B> {
             x: dx,
             w_gate: stacked(dw_gate, &w.w_gate, need.w_gate),
@@ -294,6 +310,10 @@ fn tracked<B: Kernels, C: CheckpointStrategy, const N: usize>(
         .stateful()
     {
         OpsKind::Tracked(prep) => {
+            // In bf16, X and the stacked weights are rounded once and kept rounded: what every
+            // product of both passes takes.
+            let dtype = x.dtype();
+            let (x, w) = (operand::<B>(x, spec.precision), w.operands(spec.precision));
             let active: Vec<_> = groups.ranges().filter(|(_, r)| !r.is_empty()).collect();
             let computed = B::ffn_each(active.len(), |i| {
                 let (e, r) = active[i].clone();
@@ -312,7 +332,7 @@ fn tracked<B: Kernels, C: CheckpointStrategy, const N: usize>(
                 )
             });
             let (parts, saved): (Vec<_>, Vec<_>) = computed.into_iter().unzip();
-            let y = join::<B>(parts, &x, &w);
+            let y = join::<B>(parts, &x, &w, dtype);
             let state = Saved {
                 x,
                 weights: w,
@@ -320,6 +340,7 @@ fn tracked<B: Kernels, C: CheckpointStrategy, const N: usize>(
                 n_experts: groups.0.len(),
                 spec,
                 present,
+                dtype,
             };
             prep.finish(state, y)
         }
@@ -383,7 +404,8 @@ pub(crate) fn experts(x: Tensor<2>, w: Stacked, groups: &[usize], spec: Spec) ->
 }
 
 /// `Y` composed from burn's tensor ops and differentiated by autodiff: each group through its
-/// expert's slice of the stacked weights.
+/// expert's slice of the stacked weights (in bf16, on a device that rounds, with the operands
+/// rounded straight-through, as the dense FFN's composed network does).
 pub(crate) fn experts_composed(
     x: Tensor<2>,
     w: Stacked,
@@ -391,6 +413,10 @@ pub(crate) fn experts_composed(
     spec: Spec,
 ) -> Tensor<2> {
     let d_model = w.w_down.dims()[2];
+    let round = spec.precision == crate::Precision::Bf16
+        && x.dtype() == DType::F32
+        && rounds_bf16(&x.device());
+    let operand = |t: Tensor<2>| if round { straight_through_bf16(t) } else { t };
     let mut start = 0;
     let mut parts = Vec::new();
     for (e, &n) in groups.iter().enumerate() {
@@ -401,9 +427,12 @@ pub(crate) fn experts_composed(
         start += n;
         let mat = |t: &Tensor<3>| t.clone().narrow(0, e, 1).squeeze_dim::<2>(0);
         let vec = |t: &Option<Tensor<2>>| t.as_ref().map(|t| t.clone().narrow(0, e, 1));
-        let linear = |x: Tensor<2>, w: Tensor<2>, b: Option<Tensor<2>>| match b {
-            Some(b) => x.matmul(w) + b,
-            None => x.matmul(w),
+        let linear = |x: Tensor<2>, w: Tensor<2>, b: Option<Tensor<2>>| {
+            let product = operand(x).matmul(operand(w));
+            match b {
+                Some(b) => product + b,
+                None => product,
+            }
         };
         let phi = |t| spec.activation.forward(t);
         let up = linear(x_e.clone(), mat(&w.w_up), vec(&w.b_up));

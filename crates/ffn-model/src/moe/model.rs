@@ -314,7 +314,7 @@ impl Moe {
             activation: self.activation(),
             gated: self.w_gate.is_some(),
             memory: self.config.expert.memory,
-            precision: crate::Precision::F32,
+            precision: self.config.expert.precision,
         };
         let stacked = Stacked {
             w_gate: self.w_gate.as_ref().map(|p| p.val()),
