@@ -127,8 +127,12 @@ pub unsafe fn gemm(m: usize, n: usize, k: usize, a: Matrix, b: Matrix, c: *mut f
         (0..m.div_ceil(m_block)).into_par_iter().for_each(|block| {
             let i0 = block * m_block;
             let mc = m_block.min(m - i0);
-            // This thread's packing buffer, kept from one block to the next: `pack_a` writes
-            // every lane of it, so what a block leaves behind is never read.
+            // A row-major `A` (an even number of its columns in this block) is read where it
+            // is: its pairs are already adjacent, so a full panel of MR rows needs no copy (the
+            // kernel reads each row in order). Other panels are packed into this thread's
+            // buffer, kept from one block to the next: `pack_a` writes every lane of it, so what
+            // a block leaves behind is never read.
+            let direct = |rows: usize| a.col_stride == 1 && kc.is_multiple_of(2) && rows == MR;
             PACKED_A.with_borrow_mut(|buffer| {
                 let len = mc.div_ceil(MR) * MR * pairs;
                 if buffer.len() < len {
@@ -137,8 +141,10 @@ pub unsafe fn gemm(m: usize, n: usize, k: usize, a: Matrix, b: Matrix, c: *mut f
                 let packed_a = &mut buffer[..len];
                 for (p, out) in packed_a.chunks_mut(MR * pairs).enumerate() {
                     let rows = MR.min(mc - p * MR);
-                    // SAFETY: rows i0+p·MR.. and columns k0..k0+kc are inside A.
-                    unsafe { pack_a(a, i0 + p * MR, rows, k0, kc, out) };
+                    if !direct(rows) {
+                        // SAFETY: rows i0+p·MR.. and columns k0..k0+kc are inside A.
+                        unsafe { pack_a(a, i0 + p * MR, rows, k0, kc, out) };
+                    }
                 }
                 for (jp, panel_b) in packed_b.chunks(NR * pairs).enumerate() {
                     let j0 = jp * NR;
@@ -146,12 +152,22 @@ pub unsafe fn gemm(m: usize, n: usize, k: usize, a: Matrix, b: Matrix, c: *mut f
                     for (ip, panel_a) in packed_a.chunks(MR * pairs).enumerate() {
                         let i = i0 + ip * MR;
                         let rows = MR.min(m - i);
+                        // The panel's lane (row r, pair q) is at `start + r·row + q·pair` bytes.
+                        let (start, row, pair) = if direct(rows) {
+                            // SAFETY: row i, column k0 is inside A.
+                            let start = unsafe { a.ptr.add(i * a.row_stride + k0) };
+                            (start as *const u8, 2 * a.row_stride, 4)
+                        } else {
+                            (panel_a.as_ptr() as *const u8, 4, 4 * MR)
+                        };
+                        let panel = x86::Panel { start, row, pair };
                         // SAFETY: the tile (i.., j0..) of rows × cols is inside C, and tiles of
-                        // different threads are disjoint (different rows).
+                        // different threads are disjoint (different rows); the panel's lanes
+                        // are inside A or the packed buffer.
                         unsafe {
                             let tile = (c.0 as *mut f32).add(i * n + j0);
                             #[cfg(target_arch = "x86_64")]
-                            x86::tile(panel_a, panel_b, pairs, tile, n, rows, cols, accumulate);
+                            x86::tile(panel, panel_b, pairs, tile, n, rows, cols, accumulate);
                         }
                     }
                 }
@@ -187,22 +203,42 @@ unsafe fn pack_a(a: Matrix, i0: usize, rows: usize, k0: usize, kc: usize, out: &
     }
     // SAFETY (every read): inside A, by the caller's contract.
     unsafe {
-        for r in 0..rows {
-            let row = a.ptr.add((i0 + r) * a.row_stride + k0 * a.col_stride);
-            if a.col_stride == 1 {
-                // Row-major: a pair is one unaligned 32-bit read.
-                let row = row as *const u32;
-                for p in 0..full {
-                    out[p * MR + r] = row.add(p).read_unaligned();
-                }
-            } else {
-                for p in 0..full {
-                    let lo = *row.add(2 * p * a.col_stride);
-                    out[p * MR + r] = pair(lo, *row.add((2 * p + 1) * a.col_stride));
+        let origin = a.ptr.add(i0 * a.row_stride + k0 * a.col_stride);
+        if a.row_stride == 1 && a.col_stride != 1 {
+            // Stored transposed (a column of A is contiguous, as `Xᵀ` in `dW = Xᵀ·dY`): pair by
+            // pair, the rows are two contiguous runs, read in memory order. (Row by row, each
+            // read would be a cache line of its own, reloaded for every row of the panel.)
+            for p in 0..full {
+                let (c0, c1) = (
+                    origin.add(2 * p * a.col_stride),
+                    origin.add((2 * p + 1) * a.col_stride),
+                );
+                let lanes = &mut out[p * MR..p * MR + rows];
+                for (r, lane) in lanes.iter_mut().enumerate() {
+                    *lane = pair(*c0.add(r), *c1.add(r));
                 }
             }
-            if kc % 2 == 1 {
-                out[full * MR + r] = pair(*row.add(2 * full * a.col_stride), 0);
+        } else {
+            for r in 0..rows {
+                let row = origin.add(r * a.row_stride);
+                if a.col_stride == 1 {
+                    // Row-major: a pair is one unaligned 32-bit read.
+                    let row = row as *const u32;
+                    for p in 0..full {
+                        out[p * MR + r] = row.add(p).read_unaligned();
+                    }
+                } else {
+                    for p in 0..full {
+                        let lo = *row.add(2 * p * a.col_stride);
+                        out[p * MR + r] = pair(lo, *row.add((2 * p + 1) * a.col_stride));
+                    }
+                }
+            }
+        }
+        if kc % 2 == 1 {
+            let last = origin.add(2 * full * a.col_stride);
+            for r in 0..rows {
+                out[full * MR + r] = pair(*last.add(r * a.row_stride), 0);
             }
         }
     }
@@ -255,17 +291,28 @@ mod x86 {
     use super::{MR, NR};
     use std::arch::x86_64::*;
 
+    /// A panel of `A`: `MR` rows of `pairs` pairs, the pair `q` of row `r` (two bf16, as one
+    /// 32-bit lane) at `start + r·row + q·pair` bytes: packed (`row` 4, `pair` 4·MR), or `A`
+    /// itself when row-major (`row` its row stride in bytes, `pair` 4).
+    #[derive(Clone, Copy)]
+    pub struct Panel {
+        pub start: *const u8,
+        pub row: usize,
+        pub pair: usize,
+    }
+
     /// `C[..rows, ..cols] (+)= A_panel · B_panel` over `pairs` pairs of `K`: the tile in 24
     /// registers, one `vdpbf16ps` per row and half-tile and pair.
     ///
     /// # Safety
     ///
-    /// AVX-512 F and BF16 present; panels of `pairs · MR` and `pairs · NR` lanes; `c` a tile of
-    /// `rows × cols` with row stride `ldc`.
+    /// AVX-512 F and BF16 present; `a` addresses `pairs` pairs of MR rows (of which the first
+    /// `rows` are used); `b` a panel of `pairs · NR` lanes; `c` a tile of `rows × cols` with row
+    /// stride `ldc`.
     #[target_feature(enable = "avx512f,avx512bf16")]
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn tile(
-        a: &[u32],
+        a: Panel,
         b: &[u32],
         pairs: usize,
         c: *mut f32,
@@ -275,21 +322,21 @@ mod x86 {
         accumulate: bool,
     ) {
         let mut acc = [[_mm512_setzero_ps(); 2]; MR];
-        let (mut pa, mut pb) = (a.as_ptr(), b.as_ptr());
+        let (mut pa, mut pb) = (a.start, b.as_ptr());
         for _ in 0..pairs {
-            // SAFETY: `pairs` rows of MR and NR lanes in the panels.
+            // SAFETY: `pairs` pairs of MR rows and NR lanes in the panels.
             unsafe {
                 let b0 = _mm512_loadu_si512(pb as *const _);
                 let b1 = _mm512_loadu_si512(pb.add(16) as *const _);
                 let b0 = std::mem::transmute::<__m512i, __m512bh>(b0);
                 let b1 = std::mem::transmute::<__m512i, __m512bh>(b1);
                 for (r, acc) in acc.iter_mut().enumerate() {
-                    let a = _mm512_set1_epi32(*pa.add(r) as i32);
-                    let a = std::mem::transmute::<__m512i, __m512bh>(a);
+                    let lane = (pa.add(r * a.row) as *const i32).read_unaligned();
+                    let a = std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32(lane));
                     acc[0] = _mm512_dpbf16_ps(acc[0], a, b0);
                     acc[1] = _mm512_dpbf16_ps(acc[1], a, b1);
                 }
-                pa = pa.add(MR);
+                pa = pa.add(a.pair);
                 pb = pb.add(NR);
             }
         }
@@ -400,6 +447,7 @@ mod tests {
             (25, 65, 513),
             (97, 40, 300),
             (200, 70, 1),
+            (30, 40, 2051),
         ] {
             for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
                 let a = matrix(m, k, 1);
