@@ -96,6 +96,16 @@ def cases():
             yield name, gated, bias_up, bias_gate, bias_down
 
 
+def draw_weights(net, generator, case, tensors):
+    """Draws `net`'s parameters (exact in f32) and records them under `<case>/<param>`."""
+    with torch.no_grad():
+        for pname, p in net.named_parameters():
+            # Wider than nn.Linear's default so pre-activations reach the nonlinear parts.
+            bound = 1.5 / (p.shape[-1] if p.dim() == 2 else D_MODEL) ** 0.5
+            p.copy_(f32_exact((torch.rand(p.shape, generator=generator, dtype=torch.float64) * 2 - 1) * bound))
+            tensors[f"{case}/{pname}"] = p.detach().clone()
+
+
 def bf16(t):
     """Rounds to the nearest bfloat16 (through float32, as ffn rounds its f32 values), kept as
     float64."""
@@ -169,11 +179,7 @@ def bf16_references(act_name, act, generator):
     tensors = {}
     for case, gated, bias_up, bias_gate, bias_down in cases():
         net = FeedForward(act, gated, bias_up, bias_gate, bias_down)
-        with torch.no_grad():
-            for pname, p in net.named_parameters():
-                bound = 1.5 / (p.shape[-1] if p.dim() == 2 else D_MODEL) ** 0.5
-                p.copy_(f32_exact((torch.rand(p.shape, generator=generator, dtype=torch.float64) * 2 - 1) * bound))
-                tensors[f"{case}/{pname}"] = p.detach().clone()
+        draw_weights(net, generator, case, tensors)
         net32 = FeedForward(act, gated, bias_up, bias_gate, bias_down).float()
         net32.load_state_dict({k: v.float() for k, v in net.state_dict().items()})
         for rank, shape in SHAPES.items():
@@ -204,12 +210,7 @@ def main():
         tensors = {}
         for case, gated, bias_up, bias_gate, bias_down in cases():
             net = FeedForward(act, gated, bias_up, bias_gate, bias_down)
-            with torch.no_grad():
-                for pname, p in net.named_parameters():
-                    # Wider than nn.Linear's default so pre-activations reach the nonlinear parts.
-                    bound = 1.5 / (p.shape[-1] if p.dim() == 2 else D_MODEL) ** 0.5
-                    p.copy_(f32_exact((torch.rand(p.shape, generator=generator, dtype=torch.float64) * 2 - 1) * bound))
-                    tensors[f"{case}/{pname}"] = p.detach().clone()
+            draw_weights(net, generator, case, tensors)
             for rank, shape in SHAPES.items():
                 x = f32_exact(torch.randn(shape, generator=generator, dtype=torch.float64) * 1.5)
                 x.requires_grad_(True)

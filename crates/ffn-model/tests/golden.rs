@@ -53,6 +53,13 @@ struct Case {
     bias: [bool; 3],
 }
 
+/// The bytes of `tests/data/<name>.safetensors`.
+fn golden_file(name: &str) -> Vec<u8> {
+    std::fs::read(data_file(&format!("{name}.safetensors")))
+        .expect("golden file (regenerate with tools/golden.py)")
+}
+
+/// Every case of a golden file: 4 ungated and 8 gated bias patterns.
 fn cases(file: &SafeTensors<'_>) -> Vec<Case> {
     let mut names: Vec<String> = file
         .names()
@@ -61,7 +68,7 @@ fn cases(file: &SafeTensors<'_>) -> Vec<Case> {
         .filter(|k| !k.contains('/'))
         .collect();
     names.sort();
-    names
+    let cases = names
         .into_iter()
         .map(|name| {
             let (kind, bits) = name.split_once("_b").expect("case name");
@@ -72,7 +79,9 @@ fn cases(file: &SafeTensors<'_>) -> Vec<Case> {
                 name,
             }
         })
-        .collect()
+        .collect::<Vec<_>>();
+    assert_eq!(cases.len(), 12, "4 ungated + 8 gated bias patterns");
+    cases
 }
 
 /// The case's weights as a safetensors file with the module's native names (PyTorch layout,
@@ -256,15 +265,9 @@ fn outputs_and_gradients_match_pytorch() {
     let mut report = Vec::new();
     let mut checked = 0;
     for activation in Activation::ALL {
-        let bytes = std::fs::read(data_file(&format!("golden_{activation}.safetensors")))
-            .expect("golden file (regenerate with tools/golden.py)");
+        let bytes = golden_file(&format!("golden_{activation}"));
         let file = SafeTensors::deserialize(&bytes).unwrap();
         let cases = cases(&file);
-        assert_eq!(
-            cases.len(),
-            12,
-            "{activation}: 4 ungated + 8 gated bias patterns"
-        );
         // Largest error per (ungated|gated, f32|f64).
         let mut worst: [[(f64, String); 2]; 2] = Default::default();
         for case in &cases {
@@ -331,15 +334,9 @@ fn bf16_outputs_and_gradients_match_the_recipe_and_autocast() {
     let mut report = Vec::new();
     let mut checked = 0;
     for activation in Activation::ALL {
-        let bytes = std::fs::read(data_file(&format!("golden_bf16_{activation}.safetensors")))
-            .expect("golden file (regenerate with tools/golden.py)");
+        let bytes = golden_file(&format!("golden_bf16_{activation}"));
         let file = SafeTensors::deserialize(&bytes).unwrap();
         let cases = cases(&file);
-        assert_eq!(
-            cases.len(),
-            12,
-            "{activation}: 4 ungated + 8 gated bias patterns"
-        );
         // Largest error per reference.
         let mut worst: [(f64, String); 2] = Default::default();
         for case in &cases {
