@@ -321,6 +321,13 @@ fn bf16_experts_round_their_products_and_the_router_stays_f32() {
                 "{name} {tensor}: bf16 vs f32 {vs_f32:e}"
             );
         }
+        // One token: experts without tokens get zero gradients, in f32 like the others.
+        let x = f32_tensor(&x).narrow(0, 0, 1).require_grad();
+        let y = bf16_moe.forward(x.clone()).output;
+        let grads = y.sum().backward();
+        let w_up = bf16_moe.w_up().val().grad(&grads).expect("w_up's gradient");
+        assert_eq!(w_up.dtype(), DType::F32, "{name}");
+        assert!(values(w_up).contains(&0.0), "{name}: an idle expert");
     }
 }
 
