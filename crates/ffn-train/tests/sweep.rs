@@ -82,6 +82,19 @@ fn write_sweep(dir: &Path, sweep: &str) {
     std::fs::write(dir.join("tiny.toml"), sweep).unwrap();
 }
 
+/// Runs the sweep `sweep` in `dir` (with `lm.toml` and `teacher.toml` beside it) into `o/`, and
+/// returns its `results.jsonl` rows and its `summary.json`.
+fn run_sweep(dir: &Path, sweep: &str) -> (Vec<Value>, Value) {
+    write_sweep(dir, sweep);
+    let out = ffn_train(&["sweep", "--config", "tiny.toml", "--out", "o"], dir);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let summary = std::fs::read_to_string(dir.join("o/summary.json")).unwrap();
+    (
+        lines(&dir.join("o/results.jsonl")),
+        serde_json::from_str(&summary).unwrap(),
+    )
+}
+
 fn lines(path: &Path) -> Vec<Value> {
     std::fs::read_to_string(path)
         .unwrap()
@@ -490,10 +503,7 @@ pairs = [["MoE-4x22", "SwiGLU-88"]]
 name = "lm"
 config = "lm.toml"
 "#;
-    write_sweep(&dir, sweep);
-    let out = ffn_train(&["sweep", "--config", "tiny.toml", "--out", "o"], &dir);
-    assert!(out.status.success(), "{}", stderr(&out));
-    let results = lines(&dir.join("o/results.jsonl"));
+    let (results, summary) = run_sweep(&dir, sweep);
     assert_eq!(results.len(), 6);
     // d_model 16, one layer: SwiGLU d_ff 43 (8/3 · 16), experts of 22 behind a 16 → 4 router.
     let params = |i: usize| {
@@ -521,9 +531,6 @@ config = "lm.toml"
     assert!(config.contains("n_experts = 4"), "{config}");
     let metrics = std::fs::read_to_string(cell.join("metrics.jsonl")).unwrap();
     assert!(metrics.contains("load_max_over_mean"), "{metrics}");
-    let summary: Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("o/summary.json")).unwrap())
-            .unwrap();
     assert_eq!(summary["baseline"], "FFN_SwiGLU");
     let compared: Vec<&str> = summary["comparisons"]
         .as_array()
@@ -568,10 +575,7 @@ baseline = "FFN_SwiGLU"
 name = "lm"
 config = "lm.toml"
 "#;
-    write_sweep(&dir, sweep);
-    let out = ffn_train(&["sweep", "--config", "tiny.toml", "--out", "o"], &dir);
-    assert!(out.status.success(), "{}", stderr(&out));
-    let results = lines(&dir.join("o/results.jsonl"));
+    let (results, summary) = run_sweep(&dir, sweep);
     assert_eq!(results.len(), 4);
     for (variant, precision) in [("FFN_SwiGLU", "F32"), ("SwiGLU-bf16", "Bf16")] {
         let cell = dir.join(format!("o/cells/lm/{variant}/seed-1_lr-1e-2"));
@@ -579,9 +583,6 @@ config = "lm.toml"
         let ffn = ffn_model::FeedForwardConfig::from_toml(&ffn).unwrap();
         assert_eq!(format!("{:?}", ffn.precision), precision, "{variant}");
     }
-    let summary: Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("o/summary.json")).unwrap())
-            .unwrap();
     let comparison = &summary["comparisons"][0];
     assert_eq!(comparison["variant"], "SwiGLU-bf16");
     let difference = comparison["mean_difference"].as_f64().unwrap();
