@@ -50,6 +50,7 @@ pub mod files;
 pub mod hf;
 mod host;
 pub mod inspect;
+mod linear;
 mod model;
 #[allow(deprecated)]
 mod moe;
@@ -65,6 +66,8 @@ pub use activation::Activation;
 pub use config::{DropoutAt, FeedForwardConfig, MAX_DIM, MAX_MATRIX};
 pub use error::{ConfigError, Error, printable};
 pub use hf::HfModel;
+#[doc(hidden)]
+pub use linear::linear;
 pub use model::FeedForward;
 pub use moe::{MAX_EXPERTS, Moe, MoeConfig, MoeOutput, Scoring};
 pub use op::{Memory, Precision};

@@ -289,7 +289,7 @@ impl<B: Kernels> Weights<B> {
 }
 
 /// `t + b`, with `b: [n]` broadcast over the rows of `t: [T, n]`.
-fn add_bias<B: Backend>(t: FloatTensor<B>, b: Option<FloatTensor<B>>) -> FloatTensor<B> {
+pub(crate) fn add_bias<B: Backend>(t: FloatTensor<B>, b: Option<FloatTensor<B>>) -> FloatTensor<B> {
     match b {
         Some(b) => {
             let n = b.shape()[0];
@@ -300,12 +300,12 @@ fn add_bias<B: Backend>(t: FloatTensor<B>, b: Option<FloatTensor<B>>) -> FloatTe
 }
 
 /// `Σ_T t`: the gradient of a bias from that of the rows it was added to, `[T, n] → [n]`.
-fn bias_grad<B: Backend>(t: FloatTensor<B>) -> FloatTensor<B> {
+pub(crate) fn bias_grad<B: Backend>(t: FloatTensor<B>) -> FloatTensor<B> {
     let n = t.shape()[1];
     B::float_reshape(B::float_sum_dim(t, 0), [n].into())
 }
 
-fn t<B: Backend>(m: FloatTensor<B>) -> FloatTensor<B> {
+pub(crate) fn t<B: Backend>(m: FloatTensor<B>) -> FloatTensor<B> {
     B::float_transpose(m)
 }
 

@@ -42,17 +42,20 @@ use burn::backend::tensor::FloatTensor;
 use burn::backend::{Backend, DType, Flex, backend_extension};
 use burn::tensor::{Shape, Tensor, TensorData};
 use burn_flex::FlexTensor;
+use ffn_model::Precision;
 use rayon::prelude::*;
 
 /// The attention op. Call it through [`causal_attention`].
 #[backend_extension(Flex, Autodiff)]
 pub trait AttentionOps: Backend {
-    /// `O = softmax(QKᵀ/√dₕ + causal mask) V` per head, for `q, k, v: [batch, T, heads·dₕ]`.
+    /// `O = softmax(QKᵀ/√dₕ + causal mask) V` per head, for `q, k, v: [batch, T, heads·dₕ]`;
+    /// with `bf16`, every product's operands rounded to bf16 (see [`causal_attention`]).
     fn causal_attention(
         q: FloatTensor<Self>,
         k: FloatTensor<Self>,
         v: FloatTensor<Self>,
         heads: usize,
+        bf16: bool,
     ) -> FloatTensor<Self>;
 }
 
@@ -66,21 +69,54 @@ pub fn supported(x: &Tensor<3>) -> bool {
 
 /// Causal multi-head attention of the projections `q, k, v: [batch, T, heads·dₕ]`, in that
 /// layout; on a [`supported`] tensor.
-pub fn causal_attention(q: Tensor<3>, k: Tensor<3>, v: Tensor<3>, heads: usize) -> Tensor<3> {
+///
+/// In [`Precision::Bf16`] (of an f32 network) the products take bf16 operands, as the FFN
+/// op's do: `S = bf16(Q) bf16(K)ᵀ`, `O = bf16(P) bf16(V)`, and in the backward pass `dP =
+/// bf16(dO) bf16(V)ᵀ`, `dQ = bf16(dS) bf16(K)`, `dK = bf16(dS)ᵀ bf16(Q)`, `dV = bf16(P)ᵀ
+/// bf16(dO)`, every sum in f32. The softmax, `ℓ`, `D` and `dS = P ⊙ (dP − D)/√dₕ` stay f32.
+/// (The per-head products are small, `T × dₕ`: they run on the f32 kernels, on the rounded
+/// values, which is the same function.)
+pub fn causal_attention(
+    q: Tensor<3>,
+    k: Tensor<3>,
+    v: Tensor<3>,
+    heads: usize,
+    precision: Precision,
+) -> Tensor<3> {
     use burn::backend::Dispatch;
     let o = <Dispatch as AttentionOps>::causal_attention(
         q.into_dispatch(),
         k.into_dispatch(),
         v.into_dispatch(),
         heads,
+        precision == Precision::Bf16,
     );
     Tensor::from_dispatch(o)
 }
 
 impl AttentionOps for Flex {
-    fn causal_attention(q: FlexTensor, k: FlexTensor, v: FlexTensor, heads: usize) -> FlexTensor {
-        forward(&q, &k, &v, heads).0
+    fn causal_attention(
+        q: FlexTensor,
+        k: FlexTensor,
+        v: FlexTensor,
+        heads: usize,
+        bf16: bool,
+    ) -> FlexTensor {
+        let [q, k, v] = [q, k, v].map(|x| operand(x, bf16));
+        forward(&q, &k, &v, heads, bf16).0
     }
+}
+
+/// `x` as the products take it: rounded to bf16 (kept in f32) when `bf16` and `x` is f32,
+/// else `x` itself.
+fn operand(x: FlexTensor, bf16: bool) -> FlexTensor {
+    if !bf16 || x.dtype() != DType::F32 {
+        return x;
+    }
+    let x = contiguous(&x);
+    let shape = x.layout().shape().dims::<3>();
+    let rounded = x.storage::<f32>().par_iter().map(|&e| e.bf16()).collect();
+    new_tensor(rounded, shape)
 }
 
 /// What the backward pass keeps.
@@ -92,6 +128,7 @@ struct Saved {
     o: FlexTensor,
     lse: FlexTensor,
     heads: usize,
+    bf16: bool,
 }
 
 #[derive(Debug)]
@@ -118,17 +155,20 @@ impl<C: CheckpointStrategy> AttentionOps for Autodiff<Flex, C> {
         k: FloatTensor<Self>,
         v: FloatTensor<Self>,
         heads: usize,
+        bf16: bool,
     ) -> FloatTensor<Self> {
+        // In bf16 the rounded q, k, v are what both passes multiply (and what is kept).
         let (q, node_q) = q.into_parts();
         let (k, node_k) = k.into_parts();
         let (v, node_v) = v.into_parts();
+        let [q, k, v] = [q, k, v].map(|x| operand(x, bf16));
         match AttentionBackward
             .prepare::<C>([node_q, node_k, node_v])
             .compute_bound()
             .stateful()
         {
             OpsKind::Tracked(prep) => {
-                let (o, lse) = forward(&q, &k, &v, heads);
+                let (o, lse) = forward(&q, &k, &v, heads, bf16);
                 let saved = Saved {
                     q,
                     k,
@@ -136,30 +176,33 @@ impl<C: CheckpointStrategy> AttentionOps for Autodiff<Flex, C> {
                     o: o.clone(),
                     lse,
                     heads,
+                    bf16,
                 };
                 prep.finish(saved, o)
             }
-            OpsKind::UnTracked(prep) => prep.finish(forward(&q, &k, &v, heads).0),
+            OpsKind::UnTracked(prep) => prep.finish(forward(&q, &k, &v, heads, bf16).0),
         }
     }
 }
 
-/// The shape of the op: `[batch, T, d]` with `d = heads · dₕ`.
+/// The shape of the op: `[batch, T, d]` with `d = heads · dₕ`; and whether `P` and `dS` are
+/// rounded to bf16 as operands.
 #[derive(Debug, Clone, Copy)]
 struct Dims {
     t: usize,
     d: usize,
     heads: usize,
+    bf16: bool,
 }
 
 impl Dims {
-    fn of(x: &FlexTensor, heads: usize) -> (usize, Self) {
+    fn of(x: &FlexTensor, heads: usize, bf16: bool) -> (usize, Self) {
         let [batch, t, d] = x.layout().shape().dims::<3>();
         assert!(
             heads > 0 && d.is_multiple_of(heads),
             "attention: d_model {d} is not a multiple of {heads} heads"
         );
-        (batch, Self { t, d, heads })
+        (batch, Self { t, d, heads, bf16 })
     }
 
     fn dh(&self) -> usize {
@@ -180,17 +223,27 @@ pub(crate) fn new_tensor<E: Real>(data: Vec<E>, shape: [usize; 3]) -> FlexTensor
     FlexTensor::from_data(TensorData::new(data, Shape::new(shape)))
 }
 
-/// Calls `$f::<E, true>` compiled for AVX2 + FMA when the CPU has them, else `$f::<E, false>`
-/// compiled for the baseline target.
+/// Calls `$f::<E, true>` compiled for AVX-512 (a tile row of `L` = 16 f32 in one register)
+/// or AVX2 + FMA, the widest the CPU has, else `$f::<E, false>` compiled for the baseline
+/// target.
 macro_rules! dispatch {
     ($f:ident($($arg:expr),* $(,)?)) => {{
         #[cfg(target_arch = "x86_64")]
         {
+            #[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
+            unsafe fn wide<E: Real>(f: impl FnOnce()) {
+                f()
+            }
             #[target_feature(enable = "avx2,fma")]
             unsafe fn fast<E: Real>(f: impl FnOnce()) {
                 f()
             }
-            if std::arch::is_x86_feature_detected!("avx2")
+            if std::arch::is_x86_feature_detected!("avx512f")
+                && std::arch::is_x86_feature_detected!("avx512vl")
+            {
+                // SAFETY: the CPU has AVX-512 F and VL (and so AVX2 and FMA).
+                unsafe { wide::<E>(|| $f::<E, true>($($arg),*)) }
+            } else if std::arch::is_x86_feature_detected!("avx2")
                 && std::arch::is_x86_feature_detected!("fma")
             {
                 // SAFETY: the CPU has AVX2 and FMA.
@@ -210,15 +263,13 @@ fn forward(
     k: &FlexTensor,
     v: &FlexTensor,
     heads: usize,
+    bf16: bool,
 ) -> (FlexTensor, FlexTensor) {
     let (q, k, v) = (contiguous(q), contiguous(k), contiguous(v));
+    let dims = Dims::of(&q, heads, bf16);
     match q.dtype() {
-        DType::F32 => {
-            forward_typed::<f32>(q.storage(), k.storage(), v.storage(), Dims::of(&q, heads))
-        }
-        DType::F64 => {
-            forward_typed::<f64>(q.storage(), k.storage(), v.storage(), Dims::of(&q, heads))
-        }
+        DType::F32 => forward_typed::<f32>(q.storage(), k.storage(), v.storage(), dims),
+        DType::F64 => forward_typed::<f64>(q.storage(), k.storage(), v.storage(), dims),
         other => panic!("attention: dtype {other:?} is not supported (f32, f64)"),
     }
 }
@@ -229,7 +280,7 @@ fn forward_typed<E: Real>(
     v: &[E],
     (batch, dims): (usize, Dims),
 ) -> (FlexTensor, FlexTensor) {
-    let Dims { t, d, heads } = dims;
+    let Dims { t, d, heads, .. } = dims;
     let mut o = vec![E::ZERO; batch * t * d];
     let mut lse = vec![E::ZERO; batch * heads * t];
     let n = t * d;
@@ -369,7 +420,7 @@ fn forward_sequence<E: Real, const FUSED: bool>(
     o: &mut [E],
     lse: &mut [E],
 ) {
-    let Dims { t, d, heads } = dims;
+    let Dims { t, d, heads, bf16 } = dims;
     let dh = dims.dh();
     let scale = E::from_f64(1.0 / (dh as f64).sqrt());
     let mut w = Scratch::<E>::new(t, dh);
@@ -400,6 +451,9 @@ fn forward_sequence<E: Real, const FUSED: bool>(
             }
             let inv = E::ONE / l;
             seen.iter_mut().for_each(|s| *s = *s * inv);
+            if bf16 {
+                seen.iter_mut().for_each(|s| *s = s.bf16());
+            }
             masked.fill(E::ZERO);
             lse[h * t + i] = m + l.ln();
         }
@@ -420,7 +474,7 @@ fn forward_sequence<E: Real, const FUSED: bool>(
 
 /// `[dq, dk, dv]`, each `[batch, T, d]`.
 fn backward(s: &Saved, d_o: &FlexTensor) -> [FlexTensor; 3] {
-    let d_o = contiguous(d_o);
+    let d_o = contiguous(&operand(d_o.clone(), s.bf16));
     let (q, k, v, o, lse) = (
         contiguous(&s.q),
         contiguous(&s.k),
@@ -428,7 +482,7 @@ fn backward(s: &Saved, d_o: &FlexTensor) -> [FlexTensor; 3] {
         contiguous(&s.o),
         contiguous(&s.lse),
     );
-    let dims = Dims::of(&q, s.heads);
+    let dims = Dims::of(&q, s.heads, s.bf16);
     macro_rules! typed {
         ($e:ty) => {
             backward_typed::<$e>(
@@ -456,7 +510,7 @@ fn backward_typed<E: Real>(
     lse: &[E],
     (batch, dims): (usize, Dims),
 ) -> [FlexTensor; 3] {
-    let Dims { t, d, heads } = dims;
+    let Dims { t, d, heads, .. } = dims;
     let n = t * d;
     let mut grads = [(); 3].map(|_| vec![E::ZERO; batch * n]);
     let [dq, dk, dv] = &mut grads;
@@ -488,7 +542,7 @@ fn backward_sequence<E: Real, const FUSED: bool>(
     dims: Dims,
     [dq, dk, dv]: [&mut [E]; 3],
 ) {
-    let Dims { t, d, heads } = dims;
+    let Dims { t, d, heads, bf16 } = dims;
     let dh = dims.dh();
     let scale = E::from_f64(1.0 / (dh as f64).sqrt());
     let mut w = Scratch::<E>::new(t, dh);
@@ -530,6 +584,10 @@ fn backward_sequence<E: Real, const FUSED: bool>(
             for (p, ds) in p[..=i].iter_mut().zip(&mut ds[..=i]) {
                 *p = (*p * scale - l_i).exp();
                 *ds = *p * (*ds - d_i) * scale;
+                if bf16 {
+                    // As the operands of dV = Pᵀ dO and of dQ, dK.
+                    (*p, *ds) = (p.bf16(), ds.bf16());
+                }
             }
             p[i + 1..].fill(E::ZERO);
             ds[i + 1..].fill(E::ZERO);
@@ -597,6 +655,9 @@ pub(crate) trait Real:
     fn mul_add(self, a: Self, b: Self) -> Self;
     fn to_f64(self) -> f64;
     fn from_f64(x: f64) -> Self;
+    /// The value rounded to bf16 (to nearest, ties to even) as a product's operand: f32 is
+    /// rounded, f64 (which computes in f64 whatever the precision) is left as it is.
+    fn bf16(self) -> Self;
 }
 
 impl Real for f32 {
@@ -624,6 +685,10 @@ impl Real for f32 {
     fn from_f64(x: f64) -> Self {
         x as f32
     }
+    #[inline(always)]
+    fn bf16(self) -> Self {
+        burn::tensor::bf16::from_f32(self).to_f32()
+    }
 }
 
 impl Real for f64 {
@@ -648,6 +713,9 @@ impl Real for f64 {
     }
     fn from_f64(x: f64) -> Self {
         x
+    }
+    fn bf16(self) -> Self {
+        self
     }
 }
 
@@ -690,7 +758,8 @@ mod tests {
                     mha.key.forward(x.clone()),
                     mha.value.forward(x.clone()),
                 );
-                mha.output.forward(causal_attention(q, k, v, heads))
+                mha.output
+                    .forward(causal_attention(q, k, v, heads, Precision::F32))
             } else {
                 mha.forward(MhaInput::self_attn(x.clone()).mask_attn(causal.clone()))
                     .context
@@ -727,7 +796,9 @@ mod tests {
         let f64_normal = || normal([batch, t, d], &device).cast(DType::F64);
         let inputs = [f64_normal(), f64_normal(), f64_normal()];
         let g = f64_normal();
-        let loss = |[q, k, v]: [Tensor<3>; 3]| (causal_attention(q, k, v, heads) * g.clone()).sum();
+        let loss = |[q, k, v]: [Tensor<3>; 3]| {
+            (causal_attention(q, k, v, heads, Precision::F32) * g.clone()).sum()
+        };
 
         let tracked = inputs.clone().map(|x| x.require_grad());
         let grads = loss(tracked.clone()).backward();
@@ -749,14 +820,107 @@ mod tests {
 
         // Changing the keys and values of the last position leaves the others' outputs.
         let [q, k, v] = inputs;
-        let o = causal_attention(q.clone(), k.clone(), v.clone(), heads);
+        let o = causal_attention(q.clone(), k.clone(), v.clone(), heads, Precision::F32);
         let bump = |x: Tensor<3>| {
             let last = x.clone().slice([0..batch, t - 1..t, 0..d]) + 1.0;
             x.slice_assign([0..batch, t - 1..t, 0..d], last)
         };
-        let o2 = causal_attention(q, bump(k), bump(v), heads);
+        let o2 = causal_attention(q, bump(k), bump(v), heads, Precision::F32);
         let head = |o: Tensor<3>| o.slice([0..batch, 0..t - 1, 0..d]);
         assert!(relative(head(o2.clone()), head(o.clone())) == 0.0);
         assert!(relative(o2, o) > 1e-3);
+    }
+
+    /// The bf16 recipe of the op (see [`causal_attention`]) in f64: `[O, dQ, dK, dV]` for
+    /// `L = Σ O ⊙ g`, each `[batch, T, d]` in row-major order.
+    fn recipe(
+        [q, k, v, g]: [&[f32]; 4],
+        (batch, t, d, heads): (usize, usize, usize, usize),
+    ) -> [Vec<f64>; 4] {
+        let r = |x: f32| f64::from(x.bf16());
+        let dh = d / heads;
+        let scale = 1.0 / (dh as f64).sqrt();
+        let mut out = [(); 4].map(|_| vec![0f64; batch * t * d]);
+        for b in 0..batch {
+            for h in 0..heads {
+                let at = |i: usize, c: usize| (b * t + i) * d + h * dh + c;
+                let dot = |x: &[f32], y: &[f32], i: usize, j: usize| -> f64 {
+                    (0..dh).map(|c| r(x[at(i, c)]) * r(y[at(j, c)])).sum()
+                };
+                for i in 0..t {
+                    let s: Vec<f64> = (0..=i).map(|j| dot(q, k, i, j) * scale).collect();
+                    let m = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                    let l: f64 = s.iter().map(|s| (s - m).exp()).sum();
+                    let p: Vec<f64> = s.iter().map(|s| (s - m).exp() / l).collect();
+                    // p rounded as an operand: through f32, as the op holds it.
+                    let rp = |j: usize| r(p[j] as f32);
+                    let o: Vec<f64> = (0..dh)
+                        .map(|c| (0..=i).map(|j| rp(j) * r(v[at(j, c)])).sum())
+                        .collect();
+                    let d_i: f64 = (0..dh).map(|c| r(g[at(i, c)]) * o[c]).sum();
+                    for c in 0..dh {
+                        out[0][at(i, c)] = o[c];
+                    }
+                    for j in 0..=i {
+                        let dp = dot(g, v, i, j);
+                        let ds = r((p[j] * (dp - d_i) * scale) as f32);
+                        for c in 0..dh {
+                            out[1][at(i, c)] += ds * r(k[at(j, c)]);
+                            out[2][at(j, c)] += ds * r(q[at(i, c)]);
+                            out[3][at(j, c)] += rp(j) * r(g[at(i, c)]);
+                        }
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// In bf16 the output and the gradients of `q, k, v` follow the recipe in f64, to within
+    /// f32 rounding and a rare operand that f32 and f64 round to different sides of a bf16
+    /// midpoint (‖·‖∞ relative 1e-4); the f32 op misses the recipe by more than 5e-4, so a
+    /// rounding skipped anywhere fails the test.
+    #[test]
+    fn bf16_products_take_rounded_operands_as_the_recipe_says() {
+        let device = Device::flex().autodiff();
+        device.seed(5);
+        let (batch, t, d, heads) = (2, 16, 32, 2);
+        let inputs = [(); 4].map(|_| normal([batch, t, d], &device));
+        let data = inputs
+            .clone()
+            .map(|x| x.into_data().convert::<f32>().try_to_vec::<f32>().unwrap());
+        let want = recipe(
+            [&data[0], &data[1], &data[2], &data[3]],
+            (batch, t, d, heads),
+        );
+        let to_tensor = |v: &Vec<f64>| {
+            Tensor::<3>::from_data(
+                TensorData::new(v.clone(), [batch, t, d]),
+                &device.clone().without_autodiff(),
+            )
+            .cast(DType::F32)
+        };
+        let run = |precision: Precision| {
+            let [q, k, v, g] = inputs.clone();
+            let [q, k, v] = [q, k, v].map(|x| x.require_grad());
+            let o = causal_attention(q.clone(), k.clone(), v.clone(), heads, precision);
+            let grads = (o.clone() * g).sum().backward();
+            [
+                o.inner(),
+                q.grad(&grads).unwrap(),
+                k.grad(&grads).unwrap(),
+                v.grad(&grads).unwrap(),
+            ]
+        };
+        let (bf16, f32) = (run(Precision::Bf16), run(Precision::F32));
+        for (which, ((got, plain), want)) in bf16.into_iter().zip(f32).zip(&want).enumerate() {
+            let error = relative(got, to_tensor(want));
+            let f32_error = relative(plain, to_tensor(want));
+            assert!(error < 1e-4, "output {which}: {error:e} from the recipe");
+            assert!(
+                f32_error > 5e-4,
+                "output {which}: f32 only {f32_error:e} from it"
+            );
+        }
     }
 }

@@ -15,6 +15,10 @@
 //! one pass over the logits each way; the op keeps the logits, the targets and `ℓ`. It runs on
 //! Flex (`f32`, `f64`); elsewhere [`cross_entropy`] composes burn's ops (the same function,
 //! tested).
+//!
+//! In bf16 ([`ffn_model::Precision::Bf16`]) the op is unchanged: it has no matrix product, and
+//! the recipe keeps softmax and reductions in f32. Its logits come from the head's product of
+//! bf16 operands, accumulated and kept in f32.
 
 use burn::tensor::{Int, Tensor};
 #[cfg(feature = "flex")]

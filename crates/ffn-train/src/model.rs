@@ -17,7 +17,7 @@ use burn::module::{Flag, Module, ModuleMapper, Param, ParamId};
 use burn::nn::attention::{MhaInput, MultiHeadAttention, MultiHeadAttentionConfig};
 use burn::nn::{Embedding, EmbeddingConfig, LayerNorm, LayerNormConfig, Linear, LinearConfig};
 use burn::tensor::{Bool, Device, Int, Tensor};
-use ffn_model::{FeedForward, FeedForwardConfig, Moe};
+use ffn_model::{FeedForward, FeedForwardConfig, Moe, Precision, linear};
 
 use crate::config::{ModelConfig, TaskConfig, TrainConfig};
 use crate::data::Batch;
@@ -82,6 +82,9 @@ pub struct Block {
     attention: MultiHeadAttention,
     norm_ffn: LayerNorm,
     ffn: Mlp,
+    /// The matrix products' precision (the FFN's): the attention's projections and op follow it.
+    #[module(skip)]
+    precision: Precision,
 }
 
 impl Block {
@@ -112,19 +115,20 @@ impl Block {
         }
     }
 
-    /// Causal self-attention of `h`, through the op where it runs.
+    /// Causal self-attention of `h`, through the op where it runs: its projections and products
+    /// in the block's precision. (burn's `MultiHeadAttention`, where the op does not run,
+    /// computes in f32.)
     fn attend(&self, h: Tensor<3>, causal: &Causal) -> Tensor<3> {
         #[cfg(feature = "flex")]
         if self.uses_op(&h) {
-            let a = &self.attention;
+            let (a, precision) = (&self.attention, self.precision);
             let (q, k, v) = (
-                a.query.forward(h.clone()),
-                a.key.forward(h.clone()),
-                a.value.forward(h),
+                linear(&a.query, h.clone(), precision),
+                linear(&a.key, h.clone(), precision),
+                linear(&a.value, h, precision),
             );
-            return a
-                .output
-                .forward(crate::attention::causal_attention(q, k, v, a.n_heads));
+            let o = crate::attention::causal_attention(q, k, v, a.n_heads, precision);
+            return linear(&a.output, o, precision);
         }
         self.attention
             .forward(MhaInput::self_attn(h).mask_attn(causal.mask()))
@@ -159,6 +163,8 @@ pub struct TransformerLm {
     blocks: Vec<Block>,
     norm: LayerNorm,
     head: Linear,
+    #[module(skip)]
+    precision: Precision,
 }
 
 impl TransformerLm {
@@ -182,7 +188,7 @@ impl TransformerLm {
         for block in &self.blocks {
             x = block.forward(x, &causal, aux);
         }
-        self.head.forward(self.norm.forward(x))
+        linear(&self.head, self.norm.forward(x), self.precision)
     }
 }
 
@@ -197,6 +203,8 @@ pub struct WindowLm {
     head: Linear,
     #[module(skip)]
     window: usize,
+    #[module(skip)]
+    precision: Precision,
 }
 
 impl WindowLm {
@@ -219,9 +227,9 @@ impl WindowLm {
                     .forward(padded.clone().slice([0..batch, j..j + seq]))
             })
             .collect();
-        let x = self.input.forward(Tensor::cat(columns, 2));
+        let x = linear(&self.input, Tensor::cat(columns, 2), self.precision);
         let x = x.clone() + self.ffn.forward(self.norm.forward(x), aux);
-        self.head.forward(x)
+        linear(&self.head, x, self.precision)
     }
 }
 
@@ -288,6 +296,7 @@ impl Model {
         device: &Device,
     ) -> Result<Self> {
         let moe = config.moe()?;
+        let precision = ffn_config.precision;
         let ffn = || {
             match &moe {
                 Some(moe) => moe.try_init(device).map(Mlp::Sparse),
@@ -319,6 +328,7 @@ impl Model {
                                 .init(device),
                             norm_ffn: LayerNormConfig::new(m.d_model).init(device),
                             ffn: ffn()?,
+                            precision,
                         })
                     })
                     .collect::<Result<Vec<_>>>()?;
@@ -328,6 +338,7 @@ impl Model {
                     blocks,
                     norm: LayerNormConfig::new(m.d_model).init(device),
                     head: LinearConfig::new(m.d_model, vocab).init(device),
+                    precision,
                 })
             }
             ModelConfig::Window(m) => Model::Window(WindowLm {
@@ -337,6 +348,7 @@ impl Model {
                 ffn: ffn()?,
                 head: LinearConfig::new(m.d_model, vocab).init(device),
                 window: m.window,
+                precision,
             }),
             ModelConfig::Ffn(_) => Model::Ffn(ffn()?),
         })

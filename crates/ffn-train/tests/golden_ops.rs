@@ -62,7 +62,13 @@ fn causal_attention_matches_pytorch() {
                 get("k").require_grad(),
                 get("v").require_grad(),
             );
-            let o = causal_attention(q.clone(), k.clone(), v.clone(), heads);
+            let o = causal_attention(
+                q.clone(),
+                k.clone(),
+                v.clone(),
+                heads,
+                ffn_model::Precision::F32,
+            );
             let grads = (o.clone() * get("g")).sum().backward();
             let checks = [
                 ("o", o.inner()),
