@@ -31,6 +31,7 @@
 //! cargo bench --bench ffn -- --json rows.jsonl       # also one JSON object per row
 //! cargo bench --bench ffn -- --repeats 3 --variants SwiGLU,FFN_GELU --modes fwd+bwd,block
 //! cargo bench --bench ffn -- --memory                # peak memory of a training step
+//! cargo bench --bench ffn -- --memory --precision f32,bf16   # ... in each precision
 //! cargo bench --bench ffn -- --memory-mode recompute  # times with memory = "recompute"
 //! cargo bench --bench ffn -- --precision f32,bf16     # each row in f32, then in bf16 (`-bf16`)
 //! cargo bench --bench ffn -- --plain-allocator       # times with glibc's default allocator
@@ -106,12 +107,16 @@ const MEMORY_SETUPS: [(&str, bool, Memory); 4] = [
 /// Every timed mode, in table order.
 const MODES: [&str; 5] = ["forward", "fwd+bwd", "fwd+bwd-w", "step", "block"];
 
-/// In a fresh process: the peak memory of three AdamW steps of one configuration, as one
-/// JSON object on stdout.
+/// In a fresh process: the peak memory of three AdamW steps of one configuration (a setup
+/// name, `-bf16` at its end for bf16), as one JSON object on stdout.
 fn memory_child(backend: &str, variant: Variant, d_model: usize, tokens: usize, setup: &str) {
+    let (base, precision) = match setup.strip_suffix("-bf16") {
+        Some(base) => (base, Precision::Bf16),
+        None => (setup, Precision::F32),
+    };
     let (_, fused, memory) = *MEMORY_SETUPS
         .iter()
-        .find(|s| s.0 == setup)
+        .find(|s| s.0 == base)
         .expect("a setup name");
     let device = backends(Some(&[backend.to_string()]))
         .pop()
@@ -121,7 +126,8 @@ fn memory_child(backend: &str, variant: Variant, d_model: usize, tokens: usize, 
     autodiff.seed(0);
     let config = FeedForwardConfig::preset(variant, d_model)
         .with_fused_gate_up(fused)
-        .with_memory(memory);
+        .with_memory(memory)
+        .with_precision(precision);
     let (step_mib, peak) = step_memory(
         config.init(&autodiff),
         |model, x| forward(model, x, Path::Op),
@@ -137,8 +143,14 @@ fn memory_child(backend: &str, variant: Variant, d_model: usize, tokens: usize, 
     );
 }
 
-/// Runs [`memory_child`] for every backend, variant and setup, each in its own process.
-fn memory(wanted: Option<&[String]>, variants: &[Variant], json: &mut Option<std::fs::File>) {
+/// Runs [`memory_child`] for every backend, variant, setup and precision, each in its own
+/// process.
+fn memory(
+    wanted: Option<&[String]>,
+    variants: &[Variant],
+    precisions: &[Precision],
+    json: &mut Option<std::fs::File>,
+) {
     println!("Peak memory of three AdamW steps above the resident set before them (MiB)");
     println!(
         "{:<8} {:<13} {:>7} {:>6} {:>6} {:>14} {:>9}",
@@ -148,7 +160,13 @@ fn memory(wanted: Option<&[String]>, variants: &[Variant], json: &mut Option<std
     for (backend, _) in backends(wanted).into_iter().filter(|(b, _)| *b != "wgpu") {
         for &(d_model, tokens) in &SHAPES {
             for &variant in variants {
-                for (setup, fused, _) in MEMORY_SETUPS {
+                let setups = MEMORY_SETUPS.iter().flat_map(|&(setup, fused, _)| {
+                    precisions.iter().map(move |&p| match p {
+                        Precision::F32 => (setup.to_string(), fused),
+                        Precision::Bf16 => (format!("{setup}-bf16"), fused),
+                    })
+                });
+                for (setup, fused) in setups {
                     if fused && !variant.gated() {
                         continue;
                     }
@@ -156,7 +174,7 @@ fn memory(wanted: Option<&[String]>, variants: &[Variant], json: &mut Option<std
                         "--memory-child".into(),
                         backend.into(),
                         variant.name().into(),
-                        setup.into(),
+                        setup.clone(),
                         d_model.to_string(),
                         tokens.to_string(),
                     ]);
@@ -201,8 +219,17 @@ fn main() {
     let wanted: Option<Vec<String>> =
         value("--backends").map(|list| list.split(',').map(str::to_string).collect());
     let mut json = value("--json").map(|p| std::fs::File::create(p).expect("--json FILE"));
+    let precisions: Vec<Precision> = value("--precision").map_or(vec![Precision::F32], |list| {
+        list.split(',')
+            .map(|p| match p {
+                "f32" => Precision::F32,
+                "bf16" => Precision::Bf16,
+                other => panic!("--precision: f32 or bf16, not {other}"),
+            })
+            .collect()
+    });
     if args.iter().any(|a| a == "--memory") {
-        memory(wanted.as_deref(), &variants, &mut json);
+        memory(wanted.as_deref(), &variants, &precisions, &mut json);
         return;
     }
     let modes: Vec<String> = value("--modes").map_or(MODES.map(String::from).to_vec(), |list| {
@@ -222,15 +249,6 @@ fn main() {
         Some("recompute") => Memory::Recompute,
         Some(other) => panic!("--memory-mode: save or recompute, not {other}"),
     };
-    let precisions: Vec<Precision> = value("--precision").map_or(vec![Precision::F32], |list| {
-        list.split(',')
-            .map(|p| match p {
-                "f32" => Precision::F32,
-                "bf16" => Precision::Bf16,
-                other => panic!("--precision: f32 or bf16, not {other}"),
-            })
-            .collect()
-    });
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     let allocator = common::allocator(&args);
     println!(
