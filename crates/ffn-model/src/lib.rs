@@ -50,11 +50,12 @@ pub mod files;
 pub mod hf;
 mod host;
 pub mod inspect;
+// burn-ndarray is deprecated upstream; it is still a backend the ops support.
+#[allow(deprecated)]
 mod linear;
 mod model;
 #[allow(deprecated)]
 mod moe;
-// burn-ndarray is deprecated upstream; it is still a backend the op supports.
 #[allow(deprecated)]
 mod op;
 mod preset;
