@@ -17,14 +17,16 @@
 //! cargo bench --bench moe -- --d-model 512 --d-ff 1368 --experts 8 --top-k 2 --tokens 2048
 //! cargo bench --bench moe -- --memory          # peak memory of a training step
 //! cargo bench --bench moe -- --plain-allocator # times with glibc's default allocator
+//! cargo bench --bench moe -- --precision bf16  # both layers in bf16 (the experts' products)
 //! python3 tools/bench_moe.py                   # both shapes of the issue, with transformers
 //! python3 tools/bench_moe.py --memory          # the same for memory
+//! python3 tools/bench_moe.py --precision bf16  # bf16 against transformers under autocast
 //! ```
 
 use std::io::Write;
 
 use burn::tensor::{Device, Distribution, Tensor};
-use ffn::model::{Activation, FeedForwardConfig, MoeConfig};
+use ffn::model::{Activation, FeedForwardConfig, MoeConfig, Precision};
 
 mod common;
 use common::{median, memory_child_row, step_memory};
@@ -37,6 +39,7 @@ struct Shape {
     experts: usize,
     top_k: usize,
     tokens: usize,
+    precision: Precision,
 }
 
 impl Shape {
@@ -45,6 +48,7 @@ impl Shape {
         FeedForwardConfig::new(self.d_model, d_ff)
             .with_activation(Activation::Silu)
             .with_gated(true)
+            .with_precision(self.precision)
     }
 
     fn moe(&self) -> MoeConfig {
@@ -58,6 +62,7 @@ impl Shape {
             experts,
             top_k,
             tokens,
+            ..
         } = self;
         format!(
             r#"{{"impl":"{name}","d_model":{d_model},"d_ff":{d_ff},"experts":{experts},"top_k":{top_k},"tokens":{tokens},"{field}":{value:.1}}}"#
@@ -114,12 +119,21 @@ fn main() {
     let (d_model, d_ff) = (value("--d-model", 512), value("--d-ff", 1368));
     let (experts, top_k) = (value("--experts", 8), value("--top-k", 2));
     let (tokens, repeats) = (value("--tokens", 2048), value("--repeats", 5));
+    let precision = match args.iter().position(|a| a == "--precision") {
+        None => Precision::F32,
+        Some(i) => match args.get(i + 1).map(String::as_str) {
+            Some("f32") => Precision::F32,
+            Some("bf16") => Precision::Bf16,
+            other => panic!("--precision: f32 or bf16, not {other:?}"),
+        },
+    };
     let shape = Shape {
         d_model,
         d_ff,
         experts,
         top_k,
         tokens,
+        precision,
     };
     let json = args
         .iter()
@@ -164,6 +178,10 @@ fn main() {
         ("ffn-moe", time(&|x| moe.forward(x).output)),
         ("ffn-dense", time(&|x| dense.forward(x))),
     ];
+    let suffix = match precision {
+        Precision::F32 => "",
+        Precision::Bf16 => "-bf16",
+    };
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     println!(
         "d_model {d_model}, {experts} experts of d_ff {d_ff}, top-{top_k}, {tokens} tokens, fwd+bwd with dx, \
@@ -171,7 +189,7 @@ fn main() {
         ffn::model::cpu_kernels()
     );
     for (name, seconds) in rows {
-        println!("{name:<10} {:>9.1} ms", seconds * 1e3);
+        println!("{name:<10} {:>9.1} ms{suffix}", seconds * 1e3);
         if let Some(file) = file.as_mut() {
             writeln!(file, "{}", shape.json(name, "ms", seconds * 1e3)).expect("write --json");
         }

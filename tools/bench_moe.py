@@ -9,9 +9,14 @@ rounds and keeping each row's faster round. Prints one table with times and rati
     python3 tools/bench_moe.py                       # d_model 512 and 1024, 8 experts, top-2
     python3 tools/bench_moe.py --shapes 512:1365:2048  # d_model:d_ff:tokens (any d_ff)
     python3 tools/bench_moe.py --memory              # peak memory of a training step
+    python3 tools/bench_moe.py --precision bf16      # ffn in bf16, PyTorch under autocast
 
 Timings run with freed memory kept mapped on both sides (ffn_model::keep_freed_memory, as
 ffn-train runs, and the same glibc settings for PyTorch); --plain-allocator: glibc's defaults.
+
+--precision bf16: ffn's layers with `precision = "bf16"` (the experts' products), PyTorch's
+forward under `torch.autocast("cpu", dtype=torch.bfloat16)` (its backward follows autocast's
+casts).
 
 --memory: the peak memory of three AdamW steps (the input gradient taken) above the resident
 set before them, each layer in a fresh process, measured as `cargo bench --bench moe --
@@ -75,7 +80,7 @@ def memory_child(name, d_model, d_ff, experts, top_k, tokens):
                       "step_mib": round(step, 1)}))
 
 
-def torch_rows(d_model, d_ff, experts, top_k, tokens, repeats):
+def torch_rows(d_model, d_ff, experts, top_k, tokens, repeats, precision="f32"):
     torch.manual_seed(0)
     x = torch.randn(1, tokens, d_model, requires_grad=True)
     g = torch.randn(1, tokens, d_model)
@@ -83,8 +88,9 @@ def torch_rows(d_model, d_ff, experts, top_k, tokens, repeats):
     def fwd_bwd(f):
         def run():
             x.grad = None
-            y = f(x)
-            (y * g).sum().backward()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+                y = f(x)
+            (y.float() * g).sum().backward()
             x.grad.sum().item()
         return run
 
@@ -143,6 +149,8 @@ def main():
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--memory", action="store_true")
+    parser.add_argument("--precision", default="f32", choices=["f32", "bf16"],
+                        help="bf16: ffn in bf16, PyTorch under autocast (timings only)")
     parser.add_argument("--plain-allocator", action="store_true",
                         help="time both sides with glibc's default allocator settings (default: "
                              "both keep freed memory mapped, as ffn-train runs)")
@@ -169,14 +177,17 @@ def main():
                 subprocess.run(cargo + ["--", "--d-model", str(d_model), "--d-ff", str(d_ff),
                                         "--experts", str(args.experts), "--top-k", str(args.top_k),
                                         "--tokens", str(tokens), "--repeats", str(args.repeats),
-                                        "--json", rows.name] + plain,
+                                        "--json", rows.name, "--precision", args.precision]
+                               + plain,
                                cwd=root, env=env, check=True, stdout=sys.stderr)
                 ours = {r["impl"]: r["ms"] for r in map(json.loads, open(rows.name))}
-            theirs = torch_rows(d_model, d_ff, args.experts, args.top_k, tokens, args.repeats)
+            theirs = torch_rows(d_model, d_ff, args.experts, args.top_k, tokens, args.repeats,
+                                args.precision)
             for name, ms in {**ours, **theirs}.items():
                 key = (shape, name)
                 best[key] = min(best.get(key, float("inf")), ms)
-    print(f"\n{args.experts} experts, top-{args.top_k}, SwiGLU experts, fwd+bwd with the input "
+    print(f"\n{args.experts} experts, top-{args.top_k}, SwiGLU experts, {args.precision}"
+          f"{' (PyTorch: autocast)' if args.precision == 'bf16' else ''}, fwd+bwd with the input "
           f"gradient, {args.threads} threads, median of {args.repeats}, best of {args.rounds} "
           f"rounds taken in turn; allocator on both sides: {allocator}\n")
     names = ["ffn-moe", "ffn-dense", "transformers-grouped_mm", "transformers-eager", "torch-dense"]
