@@ -640,11 +640,6 @@ impl TrainConfig {
             Precision::F32 => d_ff.saturating_mul(4),
             Precision::Bf16 => d_ff.saturating_mul(7) / 2,
         };
-        // In bf16, the FFNs' weights also have bf16 copies (half an f32 each) during a step.
-        let copies = match t.precision {
-            Precision::F32 => 0,
-            Precision::Bf16 => ffn_params / 2,
-        };
         let (vocab, seq_len, source) = match &self.task {
             TaskConfig::Markov(m) => {
                 let contexts = markov_contexts(m.vocab_size, m.order).map_or(u128::MAX, n);
@@ -711,6 +706,12 @@ impl TrainConfig {
                     d.saturating_mul(2),
                 )
             }
+        };
+        // In bf16 every weight matrix (the FFNs', attention's, the head's) also has a bf16 copy,
+        // half an f32 each, during a step: counted over all parameters, erring high.
+        let copies = match t.precision {
+            Precision::F32 => 0,
+            Precision::Bf16 => params / 2,
         };
         let f32s = params
             .saturating_mul(4)
