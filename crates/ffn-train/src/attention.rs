@@ -28,8 +28,10 @@
 //! It reads the heads straight out of the `[batch, T, heads·dₕ]` projections and writes its
 //! output in that layout, so no transposing copy is made either way. Per sequence and head the
 //! products `QKᵀ`, `PV` (and in the backward `dO Vᵀ`, `dS K`, `dSᵀ Q`, `Pᵀ dO`) are register-tiled
-//! (4 × 16 sums held in registers, tiles above the diagonal skipped) and compiled for AVX2 + FMA
-//! when the CPU has them. Sequences run in parallel on rayon's threads. It exists on Flex (`f32`, `f64`); other devices, attention dropout and
+//! (4 × 16 sums held in registers, tiles above the diagonal skipped) and compiled for AVX-512 or
+//! AVX2 + FMA, the widest the CPU has. In bf16 the products take rounded operands (see
+//! `causal_attention`). Sequences run in parallel on rayon's threads. It exists on Flex (`f32`,
+//! `f64`); other devices, attention dropout and
 //! quiet softmax use burn's `MultiHeadAttention`, whose outputs and gradients it matches
 //! (tests below).
 

@@ -419,11 +419,11 @@ pub struct TrainSettings {
     /// stream) the shards' forward passes run one after another, in shard order, and only their
     /// backward passes at once: either way a run stays reproducible.
     pub shards: usize,
-    /// The number format of the FFNs' matrix products: `"f32"` (default) or `"bf16"` (bf16
+    /// The number format of the model's matrix products: `"f32"` (default) or `"bf16"` (bf16
     /// operands, f32 sums: [`ffn_model::Precision`]). Parameters, gradients and AdamW's state
     /// stay f32. It applies to the FFNs, dense or a mixture's experts (the teacher of a
-    /// teacher-student task excepted; a mixture's router stays f32); attention and the loss
-    /// compute in f32.
+    /// teacher-student task excepted; a mixture's router stays f32), to attention's
+    /// projections and products and to the head; softmax, norms and the loss compute in f32.
     pub precision: Precision,
 }
 
