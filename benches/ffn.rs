@@ -219,15 +219,7 @@ fn main() {
     let wanted: Option<Vec<String>> =
         value("--backends").map(|list| list.split(',').map(str::to_string).collect());
     let mut json = value("--json").map(|p| std::fs::File::create(p).expect("--json FILE"));
-    let precisions: Vec<Precision> = value("--precision").map_or(vec![Precision::F32], |list| {
-        list.split(',')
-            .map(|p| match p {
-                "f32" => Precision::F32,
-                "bf16" => Precision::Bf16,
-                other => panic!("--precision: f32 or bf16, not {other}"),
-            })
-            .collect()
-    });
+    let precisions = common::precisions(&args);
     if args.iter().any(|a| a == "--memory") {
         memory(wanted.as_deref(), &variants, &precisions, &mut json);
         return;

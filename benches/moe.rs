@@ -119,13 +119,8 @@ fn main() {
     let (d_model, d_ff) = (value("--d-model", 512), value("--d-ff", 1368));
     let (experts, top_k) = (value("--experts", 8), value("--top-k", 2));
     let (tokens, repeats) = (value("--tokens", 2048), value("--repeats", 5));
-    let precision = match args.iter().position(|a| a == "--precision") {
-        None => Precision::F32,
-        Some(i) => match args.get(i + 1).map(String::as_str) {
-            Some("f32") => Precision::F32,
-            Some("bf16") => Precision::Bf16,
-            other => panic!("--precision: f32 or bf16, not {other:?}"),
-        },
+    let [precision] = common::precisions(&args)[..] else {
+        panic!("--precision: one of f32, bf16");
     };
     let shape = Shape {
         d_model,
@@ -189,7 +184,11 @@ fn main() {
         ffn::model::cpu_kernels()
     );
     for (name, seconds) in rows {
-        println!("{name:<10} {:>9.1} ms{suffix}", seconds * 1e3);
+        println!(
+            "{:<15} {:>9.1} ms",
+            format!("{name}{suffix}"),
+            seconds * 1e3
+        );
         if let Some(file) = file.as_mut() {
             writeln!(file, "{}", shape.json(name, "ms", seconds * 1e3)).expect("write --json");
         }

@@ -114,17 +114,13 @@ def main():
     t = args.threads
     rows = {}
     for kind in core_types():
-        env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_CORETYPE"}
-        if kind is not None:
-            env["OPENBLAS_CORETYPE"] = kind
-        elif "OPENBLAS_CORETYPE" in os.environ:
-            env["OPENBLAS_CORETYPE"] = os.environ["OPENBLAS_CORETYPE"]
+        env = dict(os.environ, **({"OPENBLAS_CORETYPE": kind} if kind else {}))
         out = subprocess.run([sys.executable, __file__, "--child", "--threads", str(t),
                               "--repeats", str(args.repeats)], env=env, check=True,
                              capture_output=True, text=True).stdout
         for row in map(json.loads, out.splitlines()):
             key = tuple(row["shape"])
-            best = rows.setdefault(key, dict(row, mkl1=row["mkl1"], mkl_t=row[f"mkl{t}"]))
+            best = rows.setdefault(key, dict(row, mkl_t=row[f"mkl{t}"]))
             best["mkl1"] = min(best["mkl1"], row["mkl1"])
             best["mkl_t"] = min(best["mkl_t"], row[f"mkl{t}"])
             if row["openblas1"] <= best["openblas1"]:

@@ -7,6 +7,23 @@ use burn::module::Module;
 use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::{Device, Distribution, Tensor};
 
+/// The precisions named by `--precision` in `args` (`f32`, `bf16`, comma separated): f32 when
+/// the flag is absent.
+pub fn precisions(args: &[String]) -> Vec<ffn::model::Precision> {
+    use ffn::model::Precision;
+    let Some(i) = args.iter().position(|a| a == "--precision") else {
+        return vec![Precision::F32];
+    };
+    let list = args.get(i + 1).expect("--precision f32, bf16 or f32,bf16");
+    list.split(',')
+        .map(|p| match p {
+            "f32" => Precision::F32,
+            "bf16" => Precision::Bf16,
+            other => panic!("--precision: f32 or bf16, not {other}"),
+        })
+        .collect()
+}
+
 /// Median seconds of `repeats` runs of `f`, after 2 warm-up runs.
 pub fn median(repeats: usize, mut f: impl FnMut()) -> f64 {
     for _ in 0..2 {
