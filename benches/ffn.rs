@@ -128,7 +128,7 @@ fn memory_child(backend: &str, variant: Variant, d_model: usize, tokens: usize, 
         .with_fused_gate_up(fused)
         .with_memory(memory)
         .with_precision(precision);
-    let (step_mib, peak) = step_memory(
+    let peak = step_memory(
         config.init(&autodiff),
         |model, x| forward(model, x, Path::Op),
         |model| model.down().weight.val().sum().into_scalar(),
@@ -136,10 +136,12 @@ fn memory_child(backend: &str, variant: Variant, d_model: usize, tokens: usize, 
         &autodiff,
     );
     println!(
-        r#"{{"impl":"ffn-{backend}","setup":"{setup}","variant":"{}","d_model":{d_model},"d_ff":{},"tokens":{tokens},"mode":"memory","step_mib":{:.1},"peak_rss_mib":{peak:.1}}}"#,
+        r#"{{"impl":"ffn-{backend}","setup":"{setup}","variant":"{}","d_model":{d_model},"d_ff":{},"tokens":{tokens},"mode":"memory","step_mib":{:.1},"peak_rss_mib":{:.1},"allocated_mib":{:.1}}}"#,
         variant.name(),
         config.d_ff,
-        step_mib,
+        peak.rss,
+        peak.rss_total,
+        peak.allocated,
     );
 }
 
@@ -151,10 +153,13 @@ fn memory(
     precisions: &[Precision],
     json: &mut Option<std::fs::File>,
 ) {
-    println!("Peak memory of three AdamW steps above the resident set before them (MiB)");
     println!(
-        "{:<8} {:<13} {:>7} {:>6} {:>6} {:>14} {:>9}",
-        "backend", "variant", "d_model", "d_ff", "tokens", "setup", "step MiB"
+        "Peak memory of three AdamW steps, MiB: the resident set's above the set before them \
+         (step), and the live allocations' above those before them (allocated)"
+    );
+    println!(
+        "{:<8} {:<13} {:>7} {:>6} {:>6} {:>20} {:>9} {:>9}",
+        "backend", "variant", "d_model", "d_ff", "tokens", "setup", "step", "allocated"
     );
     // Resident memory is host memory: a GPU's is not measured here.
     for (backend, _) in backends(wanted).into_iter().filter(|(b, _)| *b != "wgpu") {
@@ -179,10 +184,11 @@ fn memory(
                         tokens.to_string(),
                     ]);
                     println!(
-                        "{backend:<8} {:<13} {d_model:>7} {:>6} {tokens:>6} {setup:>14} {:>9.1}",
+                        "{backend:<8} {:<13} {d_model:>7} {:>6} {tokens:>6} {setup:>20} {:>9.1} {:>9.1}",
                         variant.name(),
                         row["d_ff"],
                         row["step_mib"].as_f64().unwrap(),
+                        row["allocated_mib"].as_f64().unwrap(),
                     );
                     if let Some(file) = json.as_mut() {
                         write!(file, "{line}").expect("write --json");

@@ -75,37 +75,38 @@ impl Shape {
 fn memory_child(name: &str, shape: Shape) {
     let device = Device::flex().autodiff();
     device.seed(0);
-    let mib = match name {
-        "ffn-moe" => {
-            step_memory(
-                shape.moe().init(&device),
-                |m, x| m.forward(x).output,
-                |m| {
-                    let w = [m.w_gate().unwrap(), m.w_up(), m.w_down()];
-                    let experts: f32 = w.map(|w| w.val().sum().into_scalar()).iter().sum();
-                    experts + m.router().weight.val().sum().into_scalar::<f32>()
-                },
-                [shape.tokens, shape.d_model],
-                &device,
-            )
-            .0
-        }
-        "ffn-dense" => {
-            step_memory(
-                shape.swiglu(shape.top_k * shape.d_ff).init(&device),
-                |m, x| m.forward(x),
-                |m| {
-                    let w = [m.gate().unwrap(), m.up().unwrap(), m.down()];
-                    w.map(|l| l.weight.val().sum().into_scalar()).iter().sum()
-                },
-                [shape.tokens, shape.d_model],
-                &device,
-            )
-            .0
-        }
+    let peak = match name {
+        "ffn-moe" => step_memory(
+            shape.moe().init(&device),
+            |m, x| m.forward(x).output,
+            |m| {
+                let w = [m.w_gate().unwrap(), m.w_up(), m.w_down()];
+                let experts: f32 = w.map(|w| w.val().sum().into_scalar()).iter().sum();
+                experts + m.router().weight.val().sum().into_scalar::<f32>()
+            },
+            [shape.tokens, shape.d_model],
+            &device,
+        ),
+        "ffn-dense" => step_memory(
+            shape.swiglu(shape.top_k * shape.d_ff).init(&device),
+            |m, x| m.forward(x),
+            |m| {
+                let w = [m.gate().unwrap(), m.up().unwrap(), m.down()];
+                w.map(|l| l.weight.val().sum().into_scalar()).iter().sum()
+            },
+            [shape.tokens, shape.d_model],
+            &device,
+        ),
         other => panic!("--memory-child: ffn-moe or ffn-dense, not {other}"),
     };
-    println!("{}", shape.json(name, "step_mib", mib));
+    // The allocations' peak goes in the same object (after the resident set's).
+    let line = shape.json(name, "step_mib", peak.rss);
+    println!(
+        "{},\"peak_rss_mib\":{:.1},\"allocated_mib\":{:.1}}}",
+        line.trim_end_matches('}'),
+        peak.rss_total,
+        peak.allocated
+    );
 }
 
 fn main() {
@@ -147,7 +148,11 @@ fn main() {
             let mut child = args[1..].to_vec();
             child.extend(["--memory-child".to_string(), name.to_string()]);
             let (line, row) = memory_child_row(&child);
-            println!("{name:<10} {:>9.1} MiB", row["step_mib"].as_f64().unwrap());
+            println!(
+                "{name:<10} {:>9.1} MiB resident, {:>9.1} MiB allocated",
+                row["step_mib"].as_f64().unwrap(),
+                row["allocated_mib"].as_f64().unwrap()
+            );
             if let Some(file) = file.as_mut() {
                 write!(file, "{line}").expect("write --json");
             }

@@ -64,17 +64,83 @@ pub fn allocator(args: &[String]) -> &'static str {
     }
 }
 
+/// Every allocation of the benchmark goes through the system allocator, counted: the bytes
+/// live now and their high-water mark. The peak of live bytes is what the tensors themselves
+/// need, whatever the allocator then keeps mapped (the resident set's peak also counts pages
+/// that glibc holds after a free, and differs from run to run with its thresholds).
+pub struct Counting;
+
+static LIVE: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+static HIGH: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+// SAFETY: every call is forwarded to the system allocator unchanged; the counters are atomics.
+unsafe impl std::alloc::GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: std::alloc::Layout) -> *mut u8 {
+        // SAFETY: the caller's contract, forwarded.
+        let p = unsafe { std::alloc::System.alloc(layout) };
+        if !p.is_null() {
+            grew(layout.size());
+        }
+        p
+    }
+
+    unsafe fn alloc_zeroed(&self, layout: std::alloc::Layout) -> *mut u8 {
+        // SAFETY: the caller's contract, forwarded.
+        let p = unsafe { std::alloc::System.alloc_zeroed(layout) };
+        if !p.is_null() {
+            grew(layout.size());
+        }
+        p
+    }
+
+    unsafe fn dealloc(&self, p: *mut u8, layout: std::alloc::Layout) {
+        // SAFETY: the caller's contract, forwarded.
+        unsafe { std::alloc::System.dealloc(p, layout) };
+        LIVE.fetch_sub(layout.size(), std::sync::atomic::Ordering::Relaxed);
+    }
+
+    unsafe fn realloc(&self, p: *mut u8, layout: std::alloc::Layout, size: usize) -> *mut u8 {
+        // SAFETY: the caller's contract, forwarded.
+        let q = unsafe { std::alloc::System.realloc(p, layout, size) };
+        if !q.is_null() {
+            LIVE.fetch_sub(layout.size(), std::sync::atomic::Ordering::Relaxed);
+            grew(size);
+        }
+        q
+    }
+}
+
+fn grew(bytes: usize) {
+    use std::sync::atomic::Ordering::Relaxed;
+    let live = LIVE.fetch_add(bytes, Relaxed) + bytes;
+    HIGH.fetch_max(live, Relaxed);
+}
+
+#[global_allocator]
+static ALLOCATOR: Counting = Counting;
+
+/// The peak memory of training steps, MiB.
+pub struct StepPeak {
+    /// The resident set's peak above the resident set before the steps.
+    pub rss: f64,
+    /// The resident set's peak itself.
+    pub rss_total: f64,
+    /// The peak of live allocated bytes above those live before the steps.
+    pub allocated: f64,
+}
+
 /// Three AdamW steps of `model` (`L = Σ forward(x) ⊙ g` for `x`, `g` of `[tokens, d_model]`,
-/// the input's gradient taken); returns the peak resident memory above the resident set before
-/// them and the peak itself, in MiB. `probe` reads every weight: they are drawn before the measurement (burn
-/// initialises parameters lazily), and each step waits for its update.
+/// the input's gradient taken) and their peak memory. `probe` reads every weight: they are
+/// drawn before the measurement (burn initialises parameters lazily), and each step waits for
+/// its update.
 pub fn step_memory<M: Module>(
     mut model: M,
     forward: impl Fn(&M, Tensor<2>) -> Tensor<2>,
     probe: impl Fn(&M) -> f32,
     [tokens, d_model]: [usize; 2],
     device: &Device,
-) -> (f64, f64) {
+) -> StepPeak {
+    use std::sync::atomic::Ordering::Relaxed;
     let normal = || Tensor::<2>::random([tokens, d_model], Distribution::Normal(0.0, 1.0), device);
     let (x, g) = (normal().require_grad(), normal());
     let _: f32 = (x.clone().sum() + g.clone().sum()).into_scalar();
@@ -82,6 +148,8 @@ pub fn step_memory<M: Module>(
     let mut optim = AdamWConfig::new().init();
     let before = status_mib("VmRSS:");
     std::fs::write("/proc/self/clear_refs", "5").expect("reset the RSS high-water mark");
+    let live_before = LIVE.load(Relaxed);
+    HIGH.store(live_before, Relaxed);
     for _ in 0..3 {
         let grads = (forward(&model, x.clone()) * g.clone()).sum().backward();
         let _: f32 = x.grad(&grads).expect("dx").sum().into_scalar();
@@ -90,7 +158,12 @@ pub fn step_memory<M: Module>(
         probe(&model);
     }
     let peak = status_mib("VmHWM:");
-    (peak - before, peak)
+    let mib = |bytes: usize| bytes as f64 / (1 << 20) as f64;
+    StepPeak {
+        rss: peak - before,
+        rss_total: peak,
+        allocated: mib(HIGH.load(Relaxed).saturating_sub(live_before)),
+    }
 }
 
 /// Runs this benchmark again with `args` (a `--memory-child` invocation) in a fresh process;

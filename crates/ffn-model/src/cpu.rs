@@ -19,7 +19,7 @@ use rayon::prelude::*;
 use crate::Activation;
 use crate::bf16;
 use crate::blas::{self, Operand};
-use crate::op::{Kernels, Pre, composed};
+use crate::op::{self, Kernels, Pre, Precision, as_operands, composed};
 
 impl Kernels for Flex {
     /// With at least as many pieces as rayon has threads, the pieces run in parallel, each
@@ -57,103 +57,195 @@ impl Kernels for Flex {
     }
 
     fn ffn_hidden(pre: &Pre<Flex>, activation: Activation) -> FlexTensor {
-        let Some(act) = vectorised(activation) else {
-            return composed::hidden::<Flex>(pre, activation);
-        };
-        match pre {
-            Pre::Plain(a) => match rows(a) {
-                Some(a) => {
-                    let mut out = Out::new(a.rows, a.cols);
-                    out.for_rows(|r, h| forward_row(act, a.row(r), None, h));
-                    out.tensor()
-                }
-                None => composed::hidden::<Flex>(pre, activation),
-            },
-            Pre::Gated(g, u) => gated_forward(act, rows(g), rows(u), pre, activation),
-            Pre::Fused(gu) => {
-                let f = gu.layout().shape()[1] / 2;
-                gated_forward(
-                    act,
-                    rows(&gu.narrow(1, 0, f)),
-                    rows(&gu.narrow(1, f, f)),
-                    pre,
-                    activation,
-                )
-            }
-        }
+        hidden(pre, activation, Precision::F32)
+            .unwrap_or_else(|| composed::hidden::<Flex>(pre, activation))
+    }
+
+    /// In bf16 each row is computed in f32 and rounded as it is written: no f32 `h` is made.
+    fn ffn_hidden_operand(
+        pre: &Pre<Flex>,
+        activation: Activation,
+        precision: Precision,
+    ) -> FlexTensor {
+        hidden(pre, activation, precision).unwrap_or_else(|| {
+            op::operand::<Flex>(composed::hidden::<Flex>(pre, activation), precision)
+        })
     }
 
     fn ffn_hidden_backward(dh: FlexTensor, pre: &Pre<Flex>, activation: Activation) -> Pre<Flex> {
-        let (Some(act), Some(dh_rows)) = (vectorised(activation), rows(&dh)) else {
-            return composed::hidden_backward::<Flex>(dh, pre, activation);
-        };
-        let (g, u) = match pre {
-            Pre::Plain(a) => {
-                let Some(a) = rows(a) else {
-                    return composed::hidden_backward::<Flex>(dh, pre, activation);
-                };
-                // da = dh ⊙ φ'(a), written over dh when nothing else holds it (one
-                // [tokens, d_ff] buffer less at the backward pass's peak).
-                let contiguous = dh_rows.stride == dh_rows.cols && dh.layout().start_offset() == 0;
-                let mut dh = dh;
-                if contiguous && let Some(d) = dh.try_storage_mut::<f32>() {
-                    let cols = a.cols.max(1);
-                    let block = (16_384 / cols).max(1) * cols;
-                    d.par_chunks_mut(block).enumerate().for_each(|(b, chunk)| {
-                        for (i, row) in chunk.chunks_mut(cols).enumerate() {
-                            backward_row_in_place(act, a.row(b * block / cols + i), row);
-                        }
-                    });
-                    return Pre::Plain(dh);
-                }
-                let dh_rows = rows(&dh).expect("checked above");
-                let mut out = Out::new(a.rows, a.cols);
-                out.for_rows(|r, da| backward_row(act, dh_rows.row(r), a.row(r), None, da));
-                return Pre::Plain(out.tensor());
-            }
-            Pre::Gated(g, u) => (g.clone(), u.clone()),
-            Pre::Fused(gu) => {
-                let f = gu.layout().shape()[1] / 2;
-                (gu.narrow(1, 0, f), gu.narrow(1, f, f))
-            }
-        };
-        let (Some(g_rows), Some(u_rows)) = (rows(&g), rows(&u)) else {
-            return composed::hidden_backward::<Flex>(dh, pre, activation);
-        };
-        // [dg | du] as one [T, 2·d_ff] tensor: one product each for dW and dx when fused.
-        let f = g_rows.cols;
-        let mut out = Out::new(g_rows.rows, 2 * f);
-        out.for_rows(|r, dgu| {
-            let (dg, du) = dgu.split_at_mut(f);
-            backward_row(
-                act,
-                dh_rows.row(r),
-                g_rows.row(r),
-                Some((u_rows.row(r), du)),
-                dg,
-            )
-        });
-        let dgu = out.tensor();
-        match pre {
-            Pre::Fused(_) => Pre::Fused(dgu),
-            _ => Pre::Gated(dgu.narrow(1, 0, f), dgu.narrow(1, f, f)),
+        match hidden_backward(dh, pre, activation, Precision::F32, false) {
+            Ok((d, _)) => d,
+            Err(dh) => composed::hidden_backward::<Flex>(dh, pre, activation),
+        }
+    }
+
+    /// One pass: each row of the gradient computed in f32, added into the column sums, and
+    /// written (gated, in bf16: rounded; ungated it is written over `dh` in f32, see
+    /// [`hidden_backward`]).
+    fn ffn_hidden_backward_operand(
+        dh: FlexTensor,
+        pre: &Pre<Flex>,
+        activation: Activation,
+        precision: Precision,
+        sums: bool,
+    ) -> (Pre<Flex>, Option<FlexTensor>) {
+        match hidden_backward(dh, pre, activation, precision, sums) {
+            Ok(done) => done,
+            Err(dh) => as_operands::<Flex>(
+                composed::hidden_backward::<Flex>(dh, pre, activation),
+                precision,
+                sums,
+            ),
         }
     }
 }
 
-fn gated_forward(
-    act: Act,
-    g: Option<Rows<'_>>,
-    u: Option<Rows<'_>>,
+/// The pre-activations as `a` (or `g`) and, gated, `u` (views of a fused `[g | u]`).
+fn halves(pre: &Pre<Flex>) -> (FlexTensor, Option<FlexTensor>) {
+    match pre {
+        Pre::Plain(a) => (a.clone(), None),
+        Pre::Gated(g, u) => (g.clone(), Some(u.clone())),
+        Pre::Fused(gu) => {
+            let f = gu.layout().shape()[1] / 2;
+            (gu.narrow(1, 0, f), Some(gu.narrow(1, f, f)))
+        }
+    }
+}
+
+/// `h = φ(a)` or `φ(g) ⊙ u`, in f32 or rounded to bf16 row by row; `None` where the loops do not
+/// apply (`tanh`, other dtypes or layouts).
+fn hidden(pre: &Pre<Flex>, activation: Activation, precision: Precision) -> Option<FlexTensor> {
+    let act = vectorised(activation)?;
+    let (g, u) = halves(pre);
+    let g = rows(&g)?;
+    let u = match &u {
+        Some(u) => Some(rows(u)?),
+        None => None,
+    };
+    let row = |r: usize, h: &mut [f32]| forward_row(act, g.row(r), u.map(|u| u.row(r)), h);
+    Some(match precision {
+        Precision::F32 => {
+            let mut out = Out::<f32>::new(g.rows, g.cols);
+            out.for_rows(false, |r, h, _| row(r, h));
+            out.tensor()
+        }
+        Precision::Bf16 => {
+            let mut out = Out::<u16>::new(g.rows, g.cols);
+            out.for_rows(false, |r, h, _| {
+                with_scratch(g.cols, |s| {
+                    row(r, s);
+                    round_row(s, h);
+                })
+            });
+            out.bf16_tensor()
+        }
+    })
+}
+
+/// The gradient of the pre-activations and, when `sums`, the column sums of the unrounded
+/// gradient; `Err(dh)` where the loops do not apply. In bf16 a gated gradient is rounded as it is
+/// written; an ungated one is left in f32 when it can be written over `dh`.
+#[allow(clippy::type_complexity)]
+fn hidden_backward(
+    dh: FlexTensor,
     pre: &Pre<Flex>,
     activation: Activation,
-) -> FlexTensor {
-    let (Some(g), Some(u)) = (g, u) else {
-        return composed::hidden::<Flex>(pre, activation);
+    precision: Precision,
+    sums: bool,
+) -> Result<(Pre<Flex>, Option<FlexTensor>), FlexTensor> {
+    let Some(act) = vectorised(activation) else {
+        return Err(dh);
     };
-    let mut out = Out::new(g.rows, g.cols);
-    out.for_rows(|r, h| forward_row(act, g.row(r), Some(u.row(r)), h));
-    out.tensor()
+    let (g, u) = halves(pre);
+    let (Some(g_rows), Some(dh_rows)) = (rows(&g), rows(&dh)) else {
+        return Err(dh);
+    };
+    let u_rows = match &u {
+        Some(u) => match rows(u) {
+            Some(u) => Some(u),
+            None => return Err(dh),
+        },
+        None => None,
+    };
+    let (tokens, f) = (g_rows.rows, g_rows.cols);
+    // One row of the gradient in f32: `da`, or `[dg | du]` (the width of a fused `[g | u]`).
+    let width = if u_rows.is_some() { 2 * f } else { f };
+    let row = |r: usize, d: &mut [f32]| match u_rows {
+        None => backward_row(act, dh_rows.row(r), g_rows.row(r), None, d),
+        Some(u) => {
+            let (dg, du) = d.split_at_mut(f);
+            backward_row(act, dh_rows.row(r), g_rows.row(r), Some((u.row(r), du)), dg)
+        }
+    };
+    let (d, sums) = match precision {
+        // Ungated: da = dh ⊙ φ'(a), written over dh when nothing else holds it (one [tokens,
+        // d_ff] buffer less at the backward pass's peak). In bf16 too: rounded by the caller
+        // once the pre-activations are freed, it needs less memory at once than a bf16 copy
+        // written beside them.
+        _ if u_rows.is_none() && dh_rows.stride == f => {
+            let mut dh = dh;
+            let whole = dh.layout().start_offset() == 0;
+            match dh.try_storage_mut::<f32>().filter(|_| whole) {
+                Some(d) => {
+                    let sums = for_rows(&mut d[..tokens * f], f, sums, |r, d, acc| {
+                        backward_row_in_place(act, g_rows.row(r), d);
+                        add_row(acc, d);
+                    });
+                    (dh, sums)
+                }
+                None => {
+                    let dh_rows = rows(&dh).expect("checked above");
+                    let mut out = Out::<f32>::new(tokens, f);
+                    let sums = out.for_rows(sums, |r, d, acc| {
+                        backward_row(act, dh_rows.row(r), g_rows.row(r), None, d);
+                        add_row(acc, d);
+                    });
+                    (out.tensor(), sums)
+                }
+            }
+        }
+        Precision::F32 => {
+            let mut out = Out::<f32>::new(tokens, width);
+            let sums = out.for_rows(sums, |r, d, acc| {
+                row(r, d);
+                add_row(acc, d);
+            });
+            (out.tensor(), sums)
+        }
+        Precision::Bf16 => {
+            let mut out = Out::<u16>::new(tokens, width);
+            let sums = out.for_rows(sums, |r, d, acc| {
+                with_scratch(width, |s| {
+                    row(r, s);
+                    add_row(acc, s);
+                    round_row(s, d);
+                })
+            });
+            (out.bf16_tensor(), sums)
+        }
+    };
+    let sums = sums.map(|s| FlexTensor::from_data(burn::tensor::TensorData::new(s, [width])));
+    let d = match pre {
+        Pre::Plain(_) => Pre::Plain(d),
+        Pre::Fused(_) => Pre::Fused(d),
+        Pre::Gated(..) => Pre::Gated(d.narrow(1, 0, f), d.narrow(1, f, f)),
+    };
+    Ok((d, sums))
+}
+
+thread_local! {
+    /// Each thread's f32 row, for values that are rounded to bf16 as they are written.
+    static SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Calls `f` with this thread's scratch row of `len` floats.
+fn with_scratch(len: usize, f: impl FnOnce(&mut [f32])) {
+    SCRATCH.with_borrow_mut(|s| {
+        if s.len() < len {
+            s.resize(len, 0.0);
+        }
+        f(&mut s[..len])
+    })
 }
 
 /// `lhs · rhs` by the BLAS, for 2-D f32 operands with unit stride along rows or columns.
@@ -299,45 +391,100 @@ fn rows(t: &FlexTensor) -> Option<Rows<'_>> {
     })
 }
 
-/// A new contiguous `[rows, cols]` output, filled row block by row block on rayon's threads.
-struct Out {
-    data: Vec<f32>,
+/// A new contiguous `[rows, cols]` output (f32, or bf16 as its bits), filled row block by row
+/// block on rayon's threads.
+struct Out<T> {
+    data: Vec<T>,
     rows: usize,
     cols: usize,
 }
 
-impl Out {
+impl<T: Copy + Default + Send> Out<T> {
     fn new(rows: usize, cols: usize) -> Self {
         Self {
-            data: vec![0.0; rows * cols],
+            data: vec![T::default(); rows * cols],
             rows,
             cols,
         }
     }
 
-    /// Calls `f(r, row)` for every row; blocks of about 16k elements go to rayon's threads.
-    fn for_rows(&mut self, f: impl Fn(usize, &mut [f32]) + Sync) {
-        if self.cols == 0 {
-            return;
-        }
-        let block = (16_384 / self.cols).max(1);
-        let cols = self.cols;
-        self.data
-            .par_chunks_mut(block * cols)
-            .enumerate()
-            .for_each(|(b, chunk)| {
-                for (i, row) in chunk.chunks_mut(cols).enumerate() {
-                    f(b * block + i, row);
-                }
-            });
+    /// [`for_rows`] over this output.
+    fn for_rows(
+        &mut self,
+        sums: bool,
+        f: impl Fn(usize, &mut [T], Option<&mut [f32]>) + Sync,
+    ) -> Option<Vec<f32>> {
+        for_rows(&mut self.data, self.cols, sums, f)
     }
+}
 
+impl Out<f32> {
     fn tensor(self) -> FlexTensor {
         FlexTensor::from_data(burn::tensor::TensorData::new(
             self.data,
             Shape::new([self.rows, self.cols]),
         ))
     }
+}
+
+impl Out<u16> {
+    fn bf16_tensor(self) -> FlexTensor {
+        let mut bits = std::mem::ManuallyDrop::new(self.data);
+        // SAFETY: `bf16` is a transparent `u16`: same size, alignment and every bit pattern a
+        // value; the vector's allocation moves over whole.
+        let values = unsafe {
+            Vec::from_raw_parts(
+                bits.as_mut_ptr().cast::<burn::tensor::bf16>(),
+                bits.len(),
+                bits.capacity(),
+            )
+        };
+        FlexTensor::from_data(burn::tensor::TensorData::new(
+            values,
+            Shape::new([self.rows, self.cols]),
+        ))
+    }
+}
+
+/// Calls `f(r, row, sums)` for every row `r` of `data` (`cols` wide); blocks of about 16k
+/// elements go to rayon's threads. With `sums`, each block of rows gets a column-sum
+/// accumulator (`f` adds its row into it) and their total is returned.
+fn for_rows<T: Send>(
+    data: &mut [T],
+    cols: usize,
+    sums: bool,
+    f: impl Fn(usize, &mut [T], Option<&mut [f32]>) + Sync,
+) -> Option<Vec<f32>> {
+    if cols == 0 {
+        return sums.then(Vec::new);
+    }
+    let block = (16_384 / cols).max(1);
+    let chunks = data.par_chunks_mut(block * cols).enumerate();
+    let each = |(b, chunk): (usize, &mut [T]), mut acc: Option<&mut [f32]>| {
+        for (i, row) in chunk.chunks_mut(cols).enumerate() {
+            f(b * block + i, row, acc.as_deref_mut());
+        }
+    };
+    if !sums {
+        chunks.for_each(|c| each(c, None));
+        return None;
+    }
+    let total = chunks
+        .fold(
+            || vec![0.0f32; cols],
+            |mut acc, c| {
+                each(c, Some(&mut acc));
+                acc
+            },
+        )
+        .reduce(
+            || vec![0.0f32; cols],
+            |mut a, b| {
+                add_row(Some(&mut a), &b);
+                a
+            },
+        );
+    Some(total)
 }
 
 /// The vector unit the element-wise loops are compiled for: 2 AVX-512, 1 AVX2+FMA, 0 baseline.
@@ -411,6 +558,39 @@ multiversion! {
     ) {
         act.backward(dh, a, up, out)
     }
+}
+
+multiversion! {
+    fn add_into(acc: &mut [f32], row: &[f32]) {
+        for (s, &v) in acc.iter_mut().zip(row) {
+            *s += v;
+        }
+    }
+}
+
+/// `acc += row`, when there is an accumulator.
+fn add_row(acc: Option<&mut [f32]>, row: &[f32]) {
+    if let Some(acc) = acc {
+        add_into(acc, row);
+    }
+}
+
+multiversion! {
+    fn round_row(x: &[f32], out: &mut [u16]) {
+        for (o, &x) in out.iter_mut().zip(x) {
+            *o = round_bf16(x);
+        }
+    }
+}
+
+/// `x` rounded to bf16 (to nearest, ties to even) as its bits; NaN stays NaN (quiet), as in
+/// burn's cast. Branch-free, so that [`round_row`] is vectorised.
+#[inline(always)]
+fn round_bf16(x: f32) -> u16 {
+    let bits = x.to_bits();
+    let rounded = (bits.wrapping_add(0x7fff + ((bits >> 16) & 1)) >> 16) as u16;
+    let quiet = ((bits >> 16) as u16) | 0x0040;
+    if x.is_nan() { quiet } else { rounded }
 }
 
 /// The activations with vectorised loops: all but `tanh`, which stays composed.
@@ -755,6 +935,40 @@ pub(crate) mod tests {
         }
         let erfc = (-z * z).exp() / (std::f64::consts::PI.sqrt() * f);
         x.signum() * (1.0 - erfc)
+    }
+
+    /// The element-wise loops' rounding to bf16 is burn's cast (the `half` crate's
+    /// `bf16::from_f32`), bit for bit: ties to even, the largest finite values overflowing to
+    /// infinity, subnormals, signed zeros and NaN (quieted) included.
+    #[test]
+    fn rounding_in_the_loops_is_burns_cast() {
+        let mut x: Vec<f32> = vec![
+            0.0,
+            -0.0,
+            1.0 + f32::EPSILON * 64.0,  // a tie: rounds to even (down)
+            1.0 + f32::EPSILON * 192.0, // a tie: rounds to even (up)
+            f32::MAX,
+            f32::MIN,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::NAN,
+            -f32::NAN,
+            f32::from_bits(0x7f80_0001), // a signalling NaN
+            f32::from_bits(0xff80_0001),
+            f32::MIN_POSITIVE / 3.0,
+        ];
+        let mut seed = 7u32;
+        for _ in 0..100_000 {
+            seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+            x.push(f32::from_bits(seed));
+        }
+        let mut ours = vec![0u16; x.len()];
+        round_row(&x, &mut ours);
+        for (&x, &ours) in x.iter().zip(&ours) {
+            let cast = burn::tensor::bf16::from_f32(x).to_bits();
+            assert_eq!(ours, cast, "{x:e} ({:#010x})", x.to_bits());
+            assert_eq!(ours, bf16::round(x), "{x:e}");
+        }
     }
 
     #[test]

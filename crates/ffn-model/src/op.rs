@@ -194,6 +194,59 @@ pub trait Kernels: Backend {
     ) -> Pre<Self> {
         composed::hidden_backward::<Self>(dh, pre, activation)
     }
+
+    /// `h = φ(a)` or `φ(g) ⊙ u` as a product's operand in `precision`: by default
+    /// [`ffn_hidden`](Self::ffn_hidden), then rounded. A backend may round as it computes, so
+    /// that no f32 copy of `h` is ever whole.
+    fn ffn_hidden_operand(
+        pre: &Pre<Self>,
+        activation: Activation,
+        precision: Precision,
+    ) -> FloatTensor<Self> {
+        operand::<Self>(Self::ffn_hidden(pre, activation), precision)
+    }
+
+    /// [`ffn_hidden_backward`](Self::ffn_hidden_backward) as the products' operands in
+    /// `precision`, and, when `sums`, the column sums of the unrounded gradient (the biases'
+    /// gradients: `[d_ff]`, or `[2·d_ff]` as `[Σ dg | Σ du]` when gated). By default one pass
+    /// each; a backend may do all three in one. A backend may also leave the gradient in f32
+    /// (when rounding it later, once `pre` is freed, holds less memory at once): the caller
+    /// rounds what is still f32.
+    fn ffn_hidden_backward_operand(
+        dh: FloatTensor<Self>,
+        pre: &Pre<Self>,
+        activation: Activation,
+        precision: Precision,
+        sums: bool,
+    ) -> (Pre<Self>, Option<FloatTensor<Self>>) {
+        as_operands::<Self>(
+            Self::ffn_hidden_backward(dh, pre, activation),
+            precision,
+            sums,
+        )
+    }
+}
+
+/// A gradient of the pre-activations as the products' operands in `precision`, with its column
+/// sums when `sums` (see [`Kernels::ffn_hidden_backward_operand`]): one pass each.
+pub(crate) fn as_operands<B: Kernels>(
+    d: Pre<B>,
+    precision: Precision,
+    sums: bool,
+) -> (Pre<B>, Option<FloatTensor<B>>) {
+    let sums = sums.then(|| match &d {
+        Pre::Plain(a) | Pre::Fused(a) => bias_grad::<B>(a.clone()),
+        Pre::Gated(g, u) => B::float_cat(
+            vec![bias_grad::<B>(g.clone()), bias_grad::<B>(u.clone())],
+            0,
+        ),
+    });
+    let d = match d {
+        Pre::Plain(a) => Pre::Plain(operand::<B>(a, precision)),
+        Pre::Fused(gu) => Pre::Fused(operand::<B>(gu, precision)),
+        Pre::Gated(g, u) => Pre::Gated(operand::<B>(g, precision), operand::<B>(u, precision)),
+    };
+    (d, sums)
 }
 
 /// NdArray has no bf16 tensors: it computes [`Precision::Bf16`] in f32 (the operands are left
@@ -389,15 +442,13 @@ pub(crate) fn project_out_chunked<B: Kernels>(
 ) -> (FloatTensor<B>, Option<FloatTensor<B>>) {
     let ranges = chunks(pre, spec.memory);
     if ranges.len() == 1 {
-        let h = masked::<B>(B::ffn_hidden(pre, spec.activation), &w.mask, None);
-        let h = operand::<B>(h, spec.precision);
+        let h = hidden_operand::<B>(pre, &w.mask, None, spec);
         return (project_out(h.clone(), w, spec), Some(h));
     }
     let parts = ranges
         .iter()
         .map(|r| {
-            let h = B::ffn_hidden(&pre.rows(r), spec.activation);
-            let h = operand::<B>(masked::<B>(h, &w.mask, Some(r)), spec.precision);
+            let h = hidden_operand::<B>(&pre.rows(r), &w.mask, Some(r), spec);
             B::ffn_matmul(h, w.w_down.clone())
         })
         .collect();
@@ -405,6 +456,22 @@ pub(crate) fn project_out_chunked<B: Kernels>(
         add_bias::<B>(B::float_cat(parts, 0), w.b_down.clone()),
         None,
     )
+}
+
+/// `h = φ(pre) ⊙ mask` (rows `r` of the mask when `pre` is a chunk) as a product's operand.
+fn hidden_operand<B: Kernels>(
+    pre: &Pre<B>,
+    mask: &Option<FloatTensor<B>>,
+    r: Option<&Range<usize>>,
+    spec: Spec,
+) -> FloatTensor<B> {
+    match mask {
+        None => B::ffn_hidden_operand(pre, spec.activation, spec.precision),
+        Some(_) => operand::<B>(
+            masked::<B>(B::ffn_hidden(pre, spec.activation), mask, r),
+            spec.precision,
+        ),
+    }
 }
 
 /// `acc + t`, or `t` for the first term.
@@ -427,17 +494,7 @@ pub(crate) fn project_in<B: Kernels>(x: &FloatTensor<B>, w: &Weights<B>, spec: S
     }
 }
 
-/// The pre-activations and the hidden activations `h` (after dropout).
-pub(crate) fn forward<B: Kernels>(
-    x: &FloatTensor<B>,
-    w: &Weights<B>,
-    spec: Spec,
-) -> (Pre<B>, FloatTensor<B>) {
-    let pre = project_in(x, w, spec);
-    let h = masked::<B>(B::ffn_hidden(&pre, spec.activation), &w.mask, None);
-    (pre, h)
-}
-
+/// `y = h W_down + b_down`, for `h` as [`hidden_operand`] gives it.
 pub(crate) fn project_out<B: Kernels>(
     h: FloatTensor<B>,
     w: &Weights<B>,
@@ -454,7 +511,9 @@ pub(crate) fn inference<B: Kernels>(
     spec: Spec,
 ) -> FloatTensor<B> {
     let (x, w) = (operand::<B>(x, spec.precision), w.operands(spec.precision));
-    let (_, h) = forward(&x, &w, spec);
+    let pre = project_in(&x, &w, spec);
+    let h = hidden_operand::<B>(&pre, &w.mask, None, spec);
+    drop(pre);
     project_out(h, &w, spec)
 }
 
@@ -702,25 +761,27 @@ pub(crate) fn backward_pass<B: Kernels>(
         if need.w_down {
             let h_r = match h.take() {
                 Some(h) => h,
-                None => operand::<B>(
-                    masked::<B>(
-                        B::ffn_hidden(&pre_r, spec.activation),
-                        &w.mask,
-                        (!whole).then_some(r),
-                    ),
-                    spec.precision,
-                ),
+                None => hidden_operand::<B>(&pre_r, &w.mask, (!whole).then_some(r), spec),
             };
             accumulate::<B>(&mut dw_down, B::ffn_matmul(t::<B>(h_r), dy_r.clone()));
         }
         let dh = B::ffn_matmul(dy_r, t::<B>(w.w_down.clone()));
         let dh = masked::<B>(dh, &w.mask, (!whole).then_some(r));
-        let dpre = B::ffn_hidden_backward(dh, &pre_r, spec.activation);
+        // d(pre) as the products' operands, with the bias gradients Σ_T d(pre) summed from
+        // the unrounded values.
+        let (dpre, sums) = B::ffn_hidden_backward_operand(
+            dh,
+            &pre_r,
+            spec.activation,
+            spec.precision,
+            need.b_gate || need.b_up,
+        );
         drop(pre_r);
         let projections = match dpre {
             Pre::Plain(da) | Pre::Fused(da) => vec![(da, 1)],
             Pre::Gated(dg, du) => vec![(dg, 0), (du, 1)],
         };
+        let width = |d: &FloatTensor<B>| d.shape()[1];
         let mut dx_r: Option<FloatTensor<B>> = None;
         for (d, p) in projections {
             let (weight, need_w, need_b) = if p == 0 {
@@ -729,8 +790,15 @@ pub(crate) fn backward_pass<B: Kernels>(
             } else {
                 (&w.w_up, need.w_up, need.b_up)
             };
-            if need_b {
-                accumulate::<B>(&mut db[p], bias_grad::<B>(d.clone()));
+            if need_b && let Some(sums) = &sums {
+                // Gated, unfused: [Σ dg | Σ du], this projection's half.
+                let (f, all) = (width(&d), sums.shape()[0]);
+                let start = if p == 1 { all - f } else { 0 };
+                let half = B::float_slice(
+                    sums.clone(),
+                    &[Slice::new(start as isize, Some((start + f) as isize), 1)],
+                );
+                accumulate::<B>(&mut db[p], half);
             }
             let d = operand::<B>(d, spec.precision);
             if need_w {
