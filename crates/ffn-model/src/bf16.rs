@@ -75,11 +75,13 @@ const K_BLOCK: usize = 1024;
 /// Rows of `A` a thread packs and sweeps across every panel of `B` (192 × 1024 bf16 = 384 KiB).
 const M_BLOCK: usize = 16 * MR;
 
-/// Whether [`gemm`] can run here (x86-64 with AVX-512 F and BF16).
+/// Whether [`gemm`] can run here (x86-64 with AVX-512 F, BW, VL and BF16).
 pub fn available() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512bw")
+            && std::arch::is_x86_feature_detected!("avx512vl")
             && std::arch::is_x86_feature_detected!("avx512bf16")
     }
     #[cfg(not(target_arch = "x86_64"))]
@@ -208,6 +210,9 @@ unsafe fn pack_a(a: Matrix, i0: usize, rows: usize, k0: usize, kc: usize, out: &
             // Stored transposed (a column of A is contiguous, as `Xᵀ` in `dW = Xᵀ·dY`): pair by
             // pair, the rows are two contiguous runs, read in memory order. (Row by row, each
             // read would be a cache line of its own, reloaded for every row of the panel.)
+            #[cfg(target_arch = "x86_64")]
+            x86::pack_columns(origin, a.col_stride, rows, full, out);
+            #[cfg(not(target_arch = "x86_64"))]
             for p in 0..full {
                 let (c0, c1) = (
                     origin.add(2 * p * a.col_stride),
@@ -290,6 +295,42 @@ unsafe fn pack_b(b: Matrix, k0: usize, kc: usize, j0: usize, cols: usize, out: &
 mod x86 {
     use super::{MR, NR};
     use std::arch::x86_64::*;
+
+    /// `pack_a` for an `A` stored transposed: pair `p` of the panel's `rows` rows is the first
+    /// `rows` elements of columns `2p` and `2p + 1` (each contiguous), interleaved into 32-bit
+    /// lanes `c0[r] | c1[r] << 16`. Sixteen lanes at a time: two masked loads (nothing past
+    /// `rows` is read), two widenings, a shift and an or, one masked store.
+    ///
+    /// # Safety
+    ///
+    /// AVX-512 F, BW and VL present (every CPU with `avx512_bf16` has them); `origin` addresses
+    /// `2·pairs` columns, `col_stride` apart, of at least `rows ≤ MR` elements; `out` holds
+    /// `pairs · MR` lanes.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    pub unsafe fn pack_columns(
+        origin: *const u16,
+        col_stride: usize,
+        rows: usize,
+        pairs: usize,
+        out: &mut [u32],
+    ) {
+        const { assert!(MR <= 16) };
+        assert!(rows <= MR && out.len() >= pairs * MR);
+        let mask = ((1u32 << rows) - 1) as u16;
+        for p in 0..pairs {
+            // SAFETY: the caller's contract; the masked lanes are neither read nor written.
+            unsafe {
+                let c0 = _mm256_maskz_loadu_epi16(mask, origin.add(2 * p * col_stride).cast());
+                let c1 =
+                    _mm256_maskz_loadu_epi16(mask, origin.add((2 * p + 1) * col_stride).cast());
+                let lanes = _mm512_or_si512(
+                    _mm512_cvtepu16_epi32(c0),
+                    _mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(c1)),
+                );
+                _mm512_mask_storeu_epi32(out.as_mut_ptr().add(p * MR).cast(), mask, lanes);
+            }
+        }
+    }
 
     /// A panel of `A`: `MR` rows of `pairs` pairs, the pair `q` of row `r` (two bf16, as one
     /// 32-bit lane) at `start + r·row + q·pair` bytes: packed (`row` 4, `pair` 4·MR), or `A`
