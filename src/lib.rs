@@ -57,3 +57,14 @@ pub fn cuda() -> Result<Device, train::Error> {
 #[cfg(doctest)]
 #[doc = include_str!("../README.md")]
 pub struct ReadmeDoctests;
+
+/// The Rust examples of the pages under `docs/`, compiled and run as doctests.
+#[cfg(doctest)]
+pub mod docs {
+    #[doc = include_str!("../docs/model.md")]
+    pub struct Model;
+    #[doc = include_str!("../docs/interop.md")]
+    pub struct Interop;
+    #[doc = include_str!("../docs/moe.md")]
+    pub struct Moe;
+}

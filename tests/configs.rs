@@ -117,7 +117,7 @@ fn each_variant_config_trains_its_variant_and_differs_only_there() {
 }
 
 /// The shipped sweeps plan: every cell's config resolves and validates, at parameter parity,
-/// and the presets are the grids their files and the README describe.
+/// and the presets are the grids their files and docs/training.md describe.
 #[test]
 fn every_shipped_sweep_plans_the_grid_it_describes() {
     use ffn::train::sweep::{Sweep, SweepVariant};

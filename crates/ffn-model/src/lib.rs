@@ -116,7 +116,7 @@ pub fn keep_freed_memory() {
 /// What the FFN op's matrix products run on, in one line: for f32 the BLAS library and its
 /// kernels (or Flex's own `gemm`, and why), for bf16 ([`Precision::Bf16`]) the `avx512_bf16`
 /// kernel or the widening fallback, then the CPU and its vector features. The library is loaded
-/// at run time on first use (the `FFN_BLAS` variable in the README); on a CPU with AVX-512 an
+/// at run time on first use (the `FFN_BLAS` variable of docs/precision.md); on a CPU with AVX-512 an
 /// OpenBLAS that runs only its AVX2 kernels there (it does not know the CPU) is passed over
 /// for Flex's AVX-512 product.
 ///
