@@ -26,6 +26,7 @@ use burn::module::Module;
 use burn::optim::ModuleOptimizer;
 use serde::{Deserialize, Serialize};
 
+use crate::files;
 use crate::model::Model;
 use crate::{Error, Result};
 
@@ -55,19 +56,8 @@ pub struct RngState {
     pub next_step: usize,
 }
 
-/// FNV-1a of a config text, as 16 hex digits.
-pub fn fingerprint(text: &str) -> String {
-    format!("{:016x}", crate::rng::fnv1a(text.as_bytes()))
-}
-
-/// SHA-256 of `bytes`, as 64 hex digits.
-pub fn sha256(bytes: &[u8]) -> String {
-    use sha2::Digest;
-    sha2::Sha256::digest(bytes)
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
-}
+/// A run folder's checkpoint folder.
+pub const CHECKPOINTS: &str = "checkpoints";
 
 /// The files of a checkpoint, each with its SHA-256 in `checksums.json`.
 const PARTS: [&str; 3] = ["model.bpk", "optim.bpk", "state.json"];
@@ -92,7 +82,7 @@ pub fn verify(checkpoint: &Path) -> Result<()> {
             .ok_or_else(|| fail(format!("{CHECKSUMS} has no entry for {part}")))?;
         let file = checkpoint.join(part);
         let bytes = fs::read(&file).map_err(|e| fail(format!("{part}: {e}")))?;
-        if &sha256(&bytes) != expected {
+        if &files::sha256(&bytes) != expected {
             return Err(fail(format!(
                 "{part} is corrupt: its SHA-256 differs from the one recorded when it was written"
             )));
@@ -103,7 +93,7 @@ pub fn verify(checkpoint: &Path) -> Result<()> {
 
 /// The checkpoint folder of a run.
 pub fn folder(run: &Path) -> PathBuf {
-    run.join(crate::run::CHECKPOINTS)
+    run.join(CHECKPOINTS)
 }
 
 /// Complete checkpoints of a run, oldest first.
@@ -169,7 +159,7 @@ pub fn save(
     for part in PARTS {
         let file = tmp.join(part);
         let bytes = fs::read(&file).map_err(Error::io(&file))?;
-        sums.insert(part, sha256(&bytes));
+        sums.insert(part, files::sha256(&bytes));
     }
     let sums_path = tmp.join(CHECKSUMS);
     let json = serde_json::to_string_pretty(&sums).expect("checksums serialise");

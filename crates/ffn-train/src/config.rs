@@ -743,6 +743,9 @@ impl TrainConfig {
     }
 }
 
+/// The symbols a Markov chain's tokens print as.
+pub const MARKOV_ALPHABET: &str = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789";
+
 /// The largest size or count a config accepts for a dimension, a batch or a sequence
 /// (2²⁴); the memory estimate then judges the whole.
 pub const MAX_SIZE: usize = ffn_model::MAX_DIM;
@@ -830,7 +833,7 @@ impl TaskConfig {
 impl MarkovConfig {
     /// Checks the chain's sizes, and that it is ergodic.
     pub fn validate(&self) -> Result<()> {
-        let alphabet = crate::data::MARKOV_ALPHABET.len();
+        let alphabet = MARKOV_ALPHABET.len();
         if !(2..=alphabet).contains(&self.vocab_size) {
             return fail(format!(
                 "task.vocab_size must be in 2..={alphabet}, got {}",

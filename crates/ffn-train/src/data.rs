@@ -23,8 +23,12 @@ use crate::config::{MarkovConfig, TaskConfig, TextConfig, TextLevel, TrainConfig
 use crate::rng::Rng;
 use crate::{Error, Result};
 
-/// The symbols a Markov chain's tokens print as.
-pub const MARKOV_ALPHABET: &str = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789";
+/// The tokeniser of a language task, in its run folder.
+pub const VOCAB: &str = "vocab.json";
+/// A Markov source's stationary distribution, solved once, in its run folder.
+pub const MARKOV: &str = "markov.bin";
+
+pub use crate::config::MARKOV_ALPHABET;
 
 /// A random sparse order-`k` Markov chain.
 ///
@@ -137,7 +141,7 @@ fn cache_bytes(key: &str, (stationary, residual): &(Vec<f64>, f64)) -> Vec<u8> {
     for p in stationary {
         bytes.extend_from_slice(&p.to_le_bytes());
     }
-    let sum = crate::checkpoint::sha256(&bytes);
+    let sum = crate::files::sha256(&bytes);
     bytes.extend_from_slice(sum.as_bytes());
     bytes
 }
@@ -147,7 +151,7 @@ fn read_cache(path: &Path, key: &str, contexts: usize) -> Option<(Vec<f64>, f64)
     let expected = CACHE_TAG.len() + key.len() + 16 + 8 * contexts + 64;
     let bytes = ffn_model::files::read_regular(path, expected as u64).ok()?;
     let (body, sum) = bytes.split_at_checked(expected - 64)?;
-    if bytes.len() != expected || crate::checkpoint::sha256(body).as_bytes() != sum {
+    if bytes.len() != expected || crate::files::sha256(body).as_bytes() != sum {
         return None;
     }
     let rest = bytes
@@ -194,7 +198,7 @@ impl MarkovSource {
             }
         }
         let cdf = probs.chunks(v).flat_map(cumulative).collect();
-        let key = crate::checkpoint::fingerprint(&format!(
+        let key = crate::files::fingerprint(&format!(
             "{seed} {v} {k} {} {:e}",
             config.support, config.smoothing
         ));
@@ -203,7 +207,7 @@ impl MarkovSource {
             None => {
                 let solved = solve(&probs, v, contexts);
                 if let Some(path) = cache {
-                    let _ = crate::run::write_atomically(path, &cache_bytes(&key, &solved));
+                    let _ = crate::files::write_atomically(path, &cache_bytes(&key, &solved));
                 }
                 solved
             }
@@ -224,7 +228,7 @@ impl MarkovSource {
     /// Writes `π` to `path` for [`cached`](Self::cached) to read.
     pub fn write_cache(&self, path: &Path) -> Result<()> {
         let solved = (self.stationary.clone(), self.residual);
-        crate::run::write_atomically(path, &cache_bytes(&self.key, &solved))
+        crate::files::write_atomically(path, &cache_bytes(&self.key, &solved))
     }
 
     /// Whether the stationary distribution `π` converged (to `Σ |πP − π| < 10⁻¹⁵`); when not,
@@ -303,7 +307,7 @@ impl MarkovSource {
 
 /// The tokeniser a run wrote when it started, its `vocab.json`.
 pub fn read_vocab(run: &Path) -> Result<Vocab> {
-    let path = run.join(crate::run::VOCAB);
+    let path = run.join(VOCAB);
     let text = ffn_model::files::read_text(&path, 64 << 20).map_err(Error::io(&path))?;
     serde_json::from_str(&text).map_err(|e| Error::Checkpoint {
         path,
@@ -607,7 +611,7 @@ impl Task {
         let seed = config.seed;
         Ok(match &config.task {
             TaskConfig::Markov(m) => {
-                let cache = run.map(|run| run.join(crate::run::MARKOV));
+                let cache = run.map(|run| run.join(MARKOV));
                 Task::Language {
                     source: Language::Markov(MarkovSource::cached(m, seed, cache.as_deref())),
                     seq_len: m.seq_len,

@@ -108,3 +108,10 @@ impl Error {
 
 /// The result type of `ffn-train`.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Exit status of `ffn-train` for a run whose loss diverged ([`Error::Diverged`]).
+pub const EXIT_DIVERGED: u8 = 3;
+
+/// Exit status of `ffn-train` stopped by SIGINT or SIGTERM (after its checkpoint), as shells
+/// use.
+pub const EXIT_INTERRUPTED: u8 = 130;

@@ -13,17 +13,16 @@
 //! grid of seeds, learning rates and tasks. Layout, as in burn's examples: [`data`], [`model`],
 //! [`training`], [`inference`].
 
-#[cfg(feature = "flex")]
-pub mod attention;
 pub mod backend;
 pub mod checkpoint;
 pub mod config;
 pub mod data;
 mod error;
+pub mod files;
 pub mod inference;
-pub mod loss;
 pub mod metrics;
 pub mod model;
+pub mod ops;
 pub mod optim;
 pub mod plot;
 pub mod rng;
@@ -33,7 +32,7 @@ pub mod sweep;
 pub mod training;
 
 pub use config::TrainConfig;
-pub use error::{Error, Result};
+pub use error::{EXIT_DIVERGED, EXIT_INTERRUPTED, Error, Result};
 pub use training::Trainer;
 
 /// The built-in default config: a small SwiGLU transformer on a synthetic language

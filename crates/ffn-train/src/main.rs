@@ -11,7 +11,9 @@ use ffn_train::config::{TaskConfig, TextConfig, TextLevel};
 use ffn_train::inference::{self, SampleOptions};
 use ffn_train::metrics::{self, Progress, Summary};
 use ffn_train::training::describe;
-use ffn_train::{DEFAULT_CONFIG, Result, TrainConfig, Trainer, backend};
+use ffn_train::{
+    DEFAULT_CONFIG, EXIT_DIVERGED, EXIT_INTERRUPTED, Result, TrainConfig, Trainer, backend,
+};
 
 #[derive(Parser)]
 #[command(
@@ -157,12 +159,6 @@ enum Command {
         device: DeviceArg,
     },
 }
-
-/// Exit status of a run whose loss diverged.
-const EXIT_DIVERGED: u8 = 3;
-
-/// Exit status of a run stopped by SIGINT or SIGTERM (after its checkpoint), as shells use.
-const EXIT_INTERRUPTED: u8 = 130;
 
 /// The most characters of an error line (a 10 MB string in a config is not echoed whole).
 const MAX_ERROR_CHARS: usize = 2000;

@@ -42,6 +42,21 @@ pub struct Record {
     pub moe: Option<MoeLoad>,
 }
 
+impl Record {
+    /// The record as the run's plots take it.
+    pub fn point(&self) -> crate::plot::Point {
+        crate::plot::Point {
+            step: self.step,
+            valid: self.kind == "valid",
+            loss: self.loss,
+            gap: self.gap,
+            load: self
+                .moe
+                .map(|m| [m.load_max_over_mean, m.load_cv, m.dropped_fraction]),
+        }
+    }
+}
+
 /// The expert load of one step, over the sparse layers.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct MoeLoad {
@@ -90,7 +105,7 @@ struct Log {
 impl Log {
     /// Rewrites `path` atomically with `text`, then opens it for appending.
     fn open(path: PathBuf, text: &str) -> Result<Self> {
-        crate::run::write_atomically(&path, text.as_bytes())?;
+        crate::files::write_atomically(&path, text.as_bytes())?;
         let file = OpenOptions::new()
             .append(true)
             .open(&path)
@@ -337,7 +352,7 @@ impl Progress {
 /// Writes the summary as pretty JSON.
 pub fn write_summary(run: &Path, summary: &Summary) -> Result<()> {
     let json = serde_json::to_string_pretty(summary).expect("summary serialises") + "\n";
-    crate::run::write_atomically(&run.join(crate::run::SUMMARY), json.as_bytes())
+    crate::files::write_atomically(&run.join(crate::run::SUMMARY), json.as_bytes())
 }
 
 /// Reads `summary.json`.

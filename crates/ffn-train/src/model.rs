@@ -13,7 +13,7 @@
 //! [`FeedForward`] (`model.ffn.moe`): see [`Mlp`]. Its auxiliary losses are added to the
 //! training loss ([`Model::loss_with_aux`]), never to the reported or validation loss.
 
-use burn::module::{Flag, Module, ModuleMapper, Param, ParamId};
+use burn::module::{Flag, Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::nn::attention::{MhaInput, MultiHeadAttention, MultiHeadAttentionConfig};
 use burn::nn::{Embedding, EmbeddingConfig, LayerNorm, LayerNormConfig, Linear, LinearConfig};
 use burn::tensor::{Bool, Device, Int, Tensor};
@@ -104,7 +104,7 @@ impl Block {
     fn uses_op(&self, x: &Tensor<3>) -> bool {
         #[cfg(feature = "flex")]
         {
-            crate::attention::supported(x)
+            crate::ops::attention::supported(x)
                 && self.attention.dropout.prob == 0.0
                 && !self.attention.quiet_softmax
         }
@@ -127,7 +127,7 @@ impl Block {
                 linear(&a.key, h.clone(), precision),
                 linear(&a.value, h, precision),
             );
-            let o = crate::attention::causal_attention(q, k, v, a.n_heads, precision);
+            let o = crate::ops::attention::causal_attention(q, k, v, a.n_heads, precision);
             return linear(&a.output, o, precision);
         }
         self.attention
@@ -408,7 +408,7 @@ impl Model {
                     Model::Ffn(_) => panic!("a language batch for a regression model"),
                 };
                 let vocab = logits.dims()[2];
-                crate::loss::cross_entropy(logits.reshape([batch * seq, vocab]), targets)
+                crate::ops::loss::cross_entropy(logits.reshape([batch * seq, vocab]), targets)
             }
             _ => panic!("the batch does not match the model"),
         };
@@ -437,6 +437,15 @@ impl Model {
             }
             Model::Ffn(ffn) => Model::Ffn(ffn.update_selection_bias(&mut loads)),
         }
+    }
+}
+
+/// Initialises every (lazily initialised) parameter.
+pub(crate) struct Materialize;
+
+impl ModuleVisitor for Materialize {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        let _ = param.val();
     }
 }
 
@@ -469,7 +478,7 @@ mod tests {
         device.seed(1);
         let model = Model::new(&config, &ffn, task.vocab().unwrap().len(), &device).unwrap();
         // burn draws a parameter when it is first read, not in `init`: read them all now.
-        model.visit(&mut crate::training::Materialize);
+        model.visit(&mut Materialize);
         (model, device)
     }
 

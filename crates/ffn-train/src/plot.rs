@@ -8,7 +8,36 @@
 
 use std::fmt::Write;
 
-use crate::metrics::Record;
+/// One logged moment of a run, as the run's plots take it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Point {
+    /// Steps completed.
+    pub step: usize,
+    /// A validation point; else a training one.
+    pub valid: bool,
+    /// The loss.
+    pub loss: f64,
+    /// `loss − optimum`, when the optimum is known.
+    pub gap: Option<f64>,
+    /// The expert load of a run with sparse layers: the busiest expert over the mean, the
+    /// coefficient of variation, and the fraction dropped by capacity.
+    pub load: Option<[f64; 3]>,
+}
+
+/// A variant's mean final gap on a task and its 95 % interval, as `gaps.svg` takes it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Interval {
+    /// The task.
+    pub task: String,
+    /// The variant.
+    pub variant: String,
+    /// The mean final gap over seeds.
+    pub mean: f64,
+    /// The interval's lower end.
+    pub low: f64,
+    /// The interval's upper end.
+    pub high: f64,
+}
 
 const WIDTH: f64 = 720.0;
 const HEIGHT: f64 = 420.0;
@@ -50,42 +79,39 @@ struct Series {
     points: Vec<(f64, f64)>,
 }
 
-/// The `(step, value)` points of the records of `kind`, where `value` gives one.
-fn series(
-    records: &[Record],
-    kind: &str,
-    value: impl Fn(&Record) -> Option<f64>,
-) -> Vec<(f64, f64)> {
-    records
+/// The `(step, value)` points of the validation points (`valid`) or the training ones, where
+/// `value` gives one.
+fn series(points: &[Point], valid: bool, value: impl Fn(&Point) -> Option<f64>) -> Vec<(f64, f64)> {
+    points
         .iter()
-        .filter(|r| r.kind == kind)
+        .filter(|r| r.valid == valid)
         .filter_map(|r| Some((r.step as f64, value(r)?)))
         .filter(|p| p.1.is_finite())
         .collect()
 }
 
 /// The training (line) and validation (line with dots) series of `value`.
-fn train_and_valid(records: &[Record], value: impl Fn(&Record) -> Option<f64>) -> Vec<Series> {
+fn train_and_valid(records: &[Point], value: impl Fn(&Point) -> Option<f64>) -> Vec<Series> {
     vec![
         Series {
             name: "train".into(),
             color: "#3060c0",
             width: 1.2,
             dots: false,
-            points: series(records, "train", &value),
+            points: series(records, false, &value),
         },
         Series {
             name: "validation".into(),
             color: "#d04020",
             width: 2.0,
             dots: true,
-            points: series(records, "valid", &value),
+            points: series(records, true, &value),
         },
     ]
 }
 
 /// `loss.svg`: the losses against steps, with the optimum dashed.
-pub fn svg(title: &str, records: &[Record], optimum: Option<f64>) -> String {
+pub fn svg(title: &str, records: &[Point], optimum: Option<f64>) -> String {
     let lines = train_and_valid(records, |r| Some(r.loss));
     let reference = optimum.map(|o| (format!("optimum {}", label(o)), o));
     chart(title, "loss", &lines, reference, false)
@@ -94,7 +120,7 @@ pub fn svg(title: &str, records: &[Record], optimum: Option<f64>) -> String {
 /// `gap.svg`: the gap to the optimum, `loss − optimum`, on a log scale, where the slow last
 /// stretch of training stays visible (on `loss.svg` the first steps' drop flattens it).
 /// Points at or below the optimum (sampling noise) have no logarithm and are left out.
-pub fn gap_svg(title: &str, records: &[Record]) -> String {
+pub fn gap_svg(title: &str, records: &[Point]) -> String {
     let lines = train_and_valid(records, |r| r.gap.filter(|g| *g > 0.0));
     chart(title, "gap to the optimum (log scale)", &lines, None, true)
 }
@@ -103,8 +129,8 @@ pub fn gap_svg(title: &str, records: &[Record]) -> String {
 /// load over the mean and the loads' coefficient of variation (the largest over the layers),
 /// and the fraction of pairs dropped by capacity when there is any; balance is the dashed 1
 /// and 0. `None` for a run without sparse layers.
-pub fn load_svg(title: &str, records: &[Record]) -> Option<String> {
-    let moe = |f: fn(&crate::metrics::MoeLoad) -> f64| move |r: &Record| r.moe.as_ref().map(f);
+pub fn load_svg(title: &str, records: &[Point]) -> Option<String> {
+    let moe = |i: usize| move |r: &Point| r.load.map(|l| l[i]);
     let line = |name: &str, color, points: Vec<(f64, f64)>| Series {
         name: name.into(),
         color,
@@ -112,7 +138,7 @@ pub fn load_svg(title: &str, records: &[Record]) -> Option<String> {
         dots: false,
         points,
     };
-    let max = series(records, "train", moe(|m| m.load_max_over_mean));
+    let max = series(records, false, moe(0));
     if max.is_empty() {
         return None;
     }
@@ -121,10 +147,10 @@ pub fn load_svg(title: &str, records: &[Record]) -> Option<String> {
         line(
             "coefficient of variation",
             "#2ca02c",
-            series(records, "train", moe(|m| m.load_cv)),
+            series(records, false, moe(1)),
         ),
     ];
-    let dropped = series(records, "train", moe(|m| m.dropped_fraction));
+    let dropped = series(records, false, moe(2));
     if dropped.iter().any(|p| p.1 > 0.0) {
         lines.push(line("dropped fraction", "#d04020", dropped));
     }
@@ -206,9 +232,9 @@ pub fn curves_svg(name: &str, tasks: &[&str], curves: &[Curve]) -> String {
 
 /// A sweep's `gaps.svg`: for each task a panel of every variant's mean final gap (dot) and
 /// its 95 % interval (bar).
-pub fn gaps_svg(name: &str, summary: &crate::sweep::SweepSummary) -> String {
+pub fn gaps_svg(name: &str, intervals: &[Interval]) -> String {
     let mut tasks: Vec<&str> = Vec::new();
-    for v in &summary.variants {
+    for v in intervals {
         if !tasks.contains(&v.task.as_str()) {
             tasks.push(&v.task);
         }
@@ -216,11 +242,10 @@ pub fn gaps_svg(name: &str, summary: &crate::sweep::SweepSummary) -> String {
     let panels: Vec<String> = tasks
         .iter()
         .map(|task| {
-            let rows: Vec<(&str, f64, f64, f64)> = summary
-                .variants
+            let rows: Vec<(&str, f64, f64, f64)> = intervals
                 .iter()
                 .filter(|v| v.task == *task)
-                .filter_map(|v| Some((v.variant.as_str(), v.mean_gap?, v.ci95_low?, v.ci95_high?)))
+                .map(|v| (v.variant.as_str(), v.mean, v.low, v.high))
                 .collect();
             error_bars(
                 &format!("{name}: {task}, final gap, mean and 95% CI"),
@@ -458,39 +483,19 @@ mod tests {
         assert_eq!(curves.matches("<svg").count(), 3, "{curves}");
         assert_eq!(curves.matches("<polyline").count(), 3);
         assert!(curves.contains("FFN_GLU") && curves.contains(r#"y="420""#));
-        let entry = |task: &str, variant: &str, mean: f64| crate::sweep::VariantSummary {
+        let entry = |task: &str, variant: &str, mean: f64| Interval {
             task: task.into(),
             variant: variant.into(),
-            lr: Some(1e-3),
-            rank: Some(1),
-            n: 3,
-            mean_gap: Some(mean),
-            std_gap: Some(0.01),
-            stderr_gap: Some(0.005),
-            ci95_low: Some(mean - 0.02),
-            ci95_high: Some(mean + 0.02),
-            mean_best_gap: Some(mean),
-            tokens_per_s: Some(1.0),
-            params: 10,
-            ffn_params: 5,
-            ffn_active_params: 5,
-            gap_by_lr: vec![],
+            mean,
+            low: mean - 0.02,
+            high: mean + 0.02,
         };
-        let summary = crate::sweep::SweepSummary {
-            name: "s".into(),
-            baseline: "FFN_ReLU".into(),
-            method: String::new(),
-            variants: vec![
-                entry("a", "FFN_ReLU", 0.1),
-                entry("a", "FFN_GLU", 0.05),
-                entry("b", "FFN_ReLU", 0.2),
-            ],
-            comparisons: vec![],
-            cells_done: 9,
-            cells_total: 9,
-            cell_time_s: 1.0,
-        };
-        let gaps = gaps_svg("s", &summary);
+        let intervals = [
+            entry("a", "FFN_ReLU", 0.1),
+            entry("a", "FFN_GLU", 0.05),
+            entry("b", "FFN_ReLU", 0.2),
+        ];
+        let gaps = gaps_svg("s", &intervals);
         assert_eq!(gaps.matches("<svg").count(), 3);
         assert_eq!(gaps.matches("<circle").count(), 3);
         // The smaller mean sits lower (a larger y) than the larger one in the same panel.
@@ -515,13 +520,12 @@ mod tests {
 
     #[test]
     fn plots_every_series() {
-        let rec = |step, kind: &str, loss| Record {
-            moe: None,
+        let rec = |step, kind: &str, loss| Point {
+            load: None,
             step,
-            kind: kind.into(),
+            valid: kind == "valid",
             loss,
             gap: None,
-            lr: None,
         };
         let records = vec![
             rec(10, "train", 3.0),
@@ -540,17 +544,12 @@ mod tests {
     /// and gaps at or below zero are left out.
     #[test]
     fn the_load_plot_has_a_line_per_statistic_and_only_for_sparse_runs() {
-        let rec = |step, moe: Option<(f64, f64, f64)>| Record {
+        let rec = |step, moe: Option<(f64, f64, f64)>| Point {
             step,
-            kind: "train".into(),
+            valid: false,
             loss: 1.0,
             gap: None,
-            lr: None,
-            moe: moe.map(|(a, b, c)| crate::metrics::MoeLoad {
-                load_max_over_mean: a,
-                load_cv: b,
-                dropped_fraction: c,
-            }),
+            load: moe.map(|(a, b, c)| [a, b, c]),
         };
         assert_eq!(load_svg("dense", &[rec(10, None), rec(20, None)]), None);
         let balanced = [
@@ -570,13 +569,12 @@ mod tests {
 
     #[test]
     fn the_gap_plot_is_logarithmic() {
-        let rec = |step, kind: &str, gap: f64| Record {
-            moe: None,
+        let rec = |step, kind: &str, gap: f64| Point {
+            load: None,
             step,
-            kind: kind.into(),
+            valid: kind == "valid",
             loss: 1.0 + gap,
             gap: Some(gap),
-            lr: None,
         };
         let records = vec![
             rec(10, "valid", 1e-1),

@@ -20,18 +20,11 @@ fn splitmix64(x: &mut u64) -> u64 {
     z ^ (z >> 31)
 }
 
-/// FNV-1a: the hash of stream names here and of config texts ([`crate::checkpoint::fingerprint`]).
-pub fn fnv1a(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xCBF2_9CE4_8422_2325, |h, &b| {
-        (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01B3)
-    })
-}
-
 impl Rng {
     /// The generator of stream `(seed, name, index)`.
     pub fn stream(seed: u64, name: &str, index: u64) -> Self {
         let mut x = seed
-            ^ fnv1a(name.as_bytes()).rotate_left(17)
+            ^ crate::files::fnv1a(name.as_bytes()).rotate_left(17)
             ^ index.wrapping_mul(0xD1B5_4A32_D192_ED03);
         let s = [
             splitmix64(&mut x),

@@ -20,18 +20,16 @@
 use std::fs::{self, File, OpenOptions, TryLockError};
 use std::path::{Path, PathBuf};
 
+pub use crate::checkpoint::CHECKPOINTS;
+pub use crate::data::{MARKOV, VOCAB};
 use crate::{Error, Result};
 
 /// The resolved config.
 pub const CONFIG: &str = "config.toml";
 /// The FFN's config.
 pub const FFN: &str = "ffn.toml";
-/// The tokeniser of a language task.
-pub const VOCAB: &str = "vocab.json";
 /// The text corpus's fingerprint.
 pub const CORPUS: &str = "corpus.json";
-/// A Markov source's stationary distribution, solved once.
-pub const MARKOV: &str = "markov.bin";
 /// The metrics, one JSON object a line.
 pub const METRICS_JSONL: &str = "metrics.jsonl";
 /// The metrics as CSV.
@@ -46,8 +44,6 @@ pub const PLOT: &str = "loss.svg";
 pub const GAP_PLOT: &str = "gap.svg";
 /// The expert load of a run with sparse layers.
 pub const LOAD_PLOT: &str = "load.svg";
-/// The checkpoint folder.
-pub const CHECKPOINTS: &str = "checkpoints";
 /// The lock file.
 pub const LOCK: &str = ".lock";
 
@@ -68,11 +64,6 @@ pub const NAMES: [&str; 14] = [
     CHECKPOINTS,
     LOCK,
 ];
-
-/// Writes a run file atomically (see [`ffn_model::files::write_atomically`]).
-pub fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
-    ffn_model::files::write_atomically(path, bytes).map_err(Error::io(path))
-}
 
 /// The exclusive claim of one process on a run folder: an advisory lock on `RUN/.lock`,
 /// released when this is dropped or the process ends.

@@ -83,10 +83,9 @@ use crate::metrics::{self, Progress};
 use crate::stats;
 use crate::{Error, Result};
 
-/// Exit status of `ffn-train train` for a diverged run.
-const EXIT_DIVERGED: i32 = 3;
-/// Exit status of `ffn-train train` stopped by a signal.
-const EXIT_INTERRUPTED: i32 = 130;
+/// `ffn-train train`'s exit statuses, as `ExitStatus::code` gives them.
+const EXIT_DIVERGED: i32 = crate::EXIT_DIVERGED as i32;
+const EXIT_INTERRUPTED: i32 = crate::EXIT_INTERRUPTED as i32;
 
 /// The results, one record per line.
 pub const RESULTS: &str = "results.jsonl";
@@ -835,7 +834,7 @@ impl Sweep {
         if resumable {
             command.arg("resume").arg(&run);
         } else {
-            crate::run::write_atomically(&config_file, cell.config.to_toml().as_bytes())?;
+            crate::files::write_atomically(&config_file, cell.config.to_toml().as_bytes())?;
             command
                 .arg("train")
                 .arg("--config")
@@ -943,7 +942,7 @@ impl Sweep {
             }
         };
         let json = serde_json::to_string_pretty(&result).expect("a result serialises") + "\n";
-        crate::run::write_atomically(&self.cell_path(cell, "json"), json.as_bytes())?;
+        crate::files::write_atomically(&self.cell_path(cell, "json"), json.as_bytes())?;
         Ok(Some(result))
     }
 
@@ -953,7 +952,7 @@ impl Sweep {
             text += &serde_json::to_string(r).expect("a result serialises");
             text.push('\n');
         }
-        crate::run::write_atomically(&self.folder.join(RESULTS), text.as_bytes())
+        crate::files::write_atomically(&self.folder.join(RESULTS), text.as_bytes())
     }
 
     /// The statistics of `results` (grid order, `None` for unfinished cells).
@@ -963,11 +962,11 @@ impl Sweep {
 
     fn write_outputs(&self, summary: &SweepSummary, results: &[Option<CellResult>]) -> Result<()> {
         let json = serde_json::to_string_pretty(summary).expect("a summary serialises") + "\n";
-        crate::run::write_atomically(&self.folder.join(SUMMARY), json.as_bytes())?;
-        crate::run::write_atomically(&self.folder.join(REPORT), report(summary).as_bytes())?;
-        crate::run::write_atomically(
+        crate::files::write_atomically(&self.folder.join(SUMMARY), json.as_bytes())?;
+        crate::files::write_atomically(&self.folder.join(REPORT), report(summary).as_bytes())?;
+        crate::files::write_atomically(
             &self.folder.join(GAPS_PLOT),
-            crate::plot::gaps_svg(&self.name, summary).as_bytes(),
+            crate::plot::gaps_svg(&self.name, &intervals(summary)).as_bytes(),
         )?;
         // The validation curves of each variant at its chosen LR, averaged over seeds.
         let mut curves: BTreeMap<(String, String), Vec<Points>> = BTreeMap::new();
@@ -1004,7 +1003,7 @@ impl Sweep {
                 }
             }
         }
-        crate::run::write_atomically(
+        crate::files::write_atomically(
             &self.folder.join(CURVES_PLOT),
             crate::plot::curves_svg(&self.name, &tasks, &lines).as_bytes(),
         )
@@ -1025,7 +1024,7 @@ fn active_params(config: &TrainConfig) -> usize {
 }
 
 fn fingerprint(config: &TrainConfig) -> String {
-    crate::checkpoint::fingerprint(&config.to_toml())
+    crate::files::fingerprint(&config.to_toml())
 }
 
 /// Stops a cell's process at its next step (it writes a checkpoint first).
@@ -1383,6 +1382,24 @@ pub fn report(summary: &SweepSummary) -> String {
         out += &format!("| {name} | {rank:.2} | {n} |\n");
     }
     out
+}
+
+/// Each variant's mean final gap and its 95 % interval, where a sweep has them, for
+/// `gaps.svg`.
+fn intervals(summary: &SweepSummary) -> Vec<crate::plot::Interval> {
+    summary
+        .variants
+        .iter()
+        .filter_map(|v| {
+            Some(crate::plot::Interval {
+                task: v.task.clone(),
+                variant: v.variant.clone(),
+                mean: v.mean_gap?,
+                low: v.ci95_low?,
+                high: v.ci95_high?,
+            })
+        })
+        .collect()
 }
 
 #[cfg(test)]

@@ -34,8 +34,9 @@ use rayon::prelude::*;
 use crate::checkpoint::{self, RngState, State};
 use crate::config::{ModelConfig, TaskConfig, TrainConfig, TrainSettings};
 use crate::data::{Batch, Language, Task, Vocab};
+use crate::files;
 use crate::metrics::{self, Metrics, MoeLoad, Progress, Record, Summary, Timing};
-use crate::model::Model;
+use crate::model::{Materialize, Model};
 use crate::optim::optimizer;
 use crate::rng::Rng;
 use crate::run;
@@ -69,15 +70,6 @@ impl ModuleVisitor for SquaredNorm<'_> {
                 None => s,
             });
         }
-    }
-}
-
-/// Initialises every (lazily initialised) parameter.
-pub(crate) struct Materialize;
-
-impl ModuleVisitor for Materialize {
-    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-        let _ = param.val();
     }
 }
 
@@ -424,11 +416,11 @@ impl Prepared {
             optim,
         } = self;
         let written = (|| {
-            run::write_atomically(&folder.join(run::CONFIG), text.as_bytes())?;
-            run::write_atomically(&folder.join(run::FFN), loaded.ffn.to_toml().as_bytes())?;
+            files::write_atomically(&folder.join(run::CONFIG), text.as_bytes())?;
+            files::write_atomically(&folder.join(run::FFN), loaded.ffn.to_toml().as_bytes())?;
             if let Some(vocab) = loaded.task.vocab() {
                 let json = serde_json::to_string(&vocab).expect("vocab serialises");
-                run::write_atomically(&folder.join(run::VOCAB), json.as_bytes())?;
+                files::write_atomically(&folder.join(run::VOCAB), json.as_bytes())?;
             }
             if let Task::Language {
                 source: Language::Markov(m),
@@ -440,7 +432,7 @@ impl Prepared {
             if let TaskConfig::Text(t) = &loaded.config.task {
                 let corpus = Corpus::of(&t.path)?;
                 let json = serde_json::to_string_pretty(&corpus).expect("corpus serialises");
-                run::write_atomically(&folder.join(run::CORPUS), json.as_bytes())?;
+                files::write_atomically(&folder.join(run::CORPUS), json.as_bytes())?;
             }
             Ok(())
         })();
@@ -485,7 +477,7 @@ impl Corpus {
         Ok(Self {
             path: path.to_path_buf(),
             bytes: bytes.len() as u64,
-            sha256: checkpoint::sha256(&bytes),
+            sha256: files::sha256(&bytes),
         })
     }
 
@@ -570,7 +562,7 @@ fn initialise(
     let vocab_size = task.vocab().map_or(0, |v| v.len());
     let model = initial_model(&config, &ffn, vocab_size, device)?;
     Ok(Loaded {
-        fingerprint: checkpoint::fingerprint(text),
+        fingerprint: files::fingerprint(text),
         config,
         ffn,
         task,
@@ -610,7 +602,7 @@ pub fn load_language_model(
     let vocab = crate::data::read_vocab(run)?;
     let device = &config.train.device(device);
     let model = initial_model(&config, &config.ffn()?, vocab.len(), device)?;
-    let fingerprint = checkpoint::fingerprint(&text);
+    let fingerprint = files::fingerprint(&text);
     let (model, _, _, warnings) = match only {
         Some(chosen) => {
             let (model, state) = load_checkpoint(chosen, &fingerprint, model)?;
@@ -1003,14 +995,15 @@ impl Trainer {
                 .map_or("run".into(), |n| n.to_string_lossy()),
             describe(&self.config)
         );
-        let svg = crate::plot::svg(&title, &records, optimum);
-        run::write_atomically(&self.run.join(run::PLOT), svg.as_bytes())?;
+        let points: Vec<_> = records.iter().map(Record::point).collect();
+        let svg = crate::plot::svg(&title, &points, optimum);
+        files::write_atomically(&self.run.join(run::PLOT), svg.as_bytes())?;
         if optimum.is_some() {
-            let svg = crate::plot::gap_svg(&title, &records);
-            run::write_atomically(&self.run.join(run::GAP_PLOT), svg.as_bytes())?;
+            let svg = crate::plot::gap_svg(&title, &points);
+            files::write_atomically(&self.run.join(run::GAP_PLOT), svg.as_bytes())?;
         }
-        if let Some(svg) = crate::plot::load_svg(&title, &records) {
-            run::write_atomically(&self.run.join(run::LOAD_PLOT), svg.as_bytes())?;
+        if let Some(svg) = crate::plot::load_svg(&title, &points) {
+            files::write_atomically(&self.run.join(run::LOAD_PLOT), svg.as_bytes())?;
         }
         Ok(summary)
     }

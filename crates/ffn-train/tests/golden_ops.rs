@@ -6,8 +6,8 @@
 #![cfg(feature = "flex")]
 
 use burn::tensor::{DType, Device, Int, Tensor, TensorData};
-use ffn_train::attention::causal_attention;
-use ffn_train::loss::cross_entropy;
+use ffn_train::ops::attention::causal_attention;
+use ffn_train::ops::loss::cross_entropy;
 use safetensors::SafeTensors;
 
 fn golden() -> Vec<u8> {

@@ -53,7 +53,7 @@ mod op {
     use burn::tensor::{Int, Shape, Tensor, TensorData};
     use burn_flex::FlexTensor;
 
-    use crate::attention::{Real, contiguous};
+    use crate::ops::kernel::{Real, contiguous};
 
     /// The cross-entropy op. Call it through [`cross_entropy`](super::cross_entropy).
     #[backend_extension(Flex, Autodiff)]

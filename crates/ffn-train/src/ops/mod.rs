@@ -1,0 +1,8 @@
+//! The ops with their own backward pass, beside the FFN's (which lives in `ffn-model`): causal
+//! self-attention and the cross-entropy, and the kernel pieces they share.
+
+#[cfg(feature = "flex")]
+pub mod attention;
+#[cfg(feature = "flex")]
+mod kernel;
+pub mod loss;
