@@ -67,8 +67,8 @@ pub struct FeedForwardConfig {
     /// `[W_gate | W_up]` and compute both with one matrix product (the xformers `w12` / vLLM
     /// `gate_up_proj` layout). The function, the parameter count and the safetensors files are
     /// those of the unfused network; only the memory layout and the kernels differ. Needs
-    /// `gated` and `bias_gate == bias_up`. Off by default: on Flex it runs about as fast as the
-    /// unfused network (0.85–1.25×, BENCHMARKS.md), not faster.
+    /// `gated` and `bias_gate == bias_up`. Off by default: on Flex it has not run faster than
+    /// the unfused network (BENCHMARKS.md has the figures).
     #[serde(default)]
     pub fused_gate_up: bool,
     /// Bias on the `up` projection.

@@ -46,6 +46,8 @@ mod config;
 mod cpu;
 pub mod dropout;
 mod error;
+/// Bounded reads and atomic writes, shared with `ffn-train`: not part of the crate's API.
+#[doc(hidden)]
 pub mod files;
 pub mod hf;
 mod host;
@@ -61,11 +63,13 @@ mod op;
 mod preset;
 mod safetensors;
 pub mod scheme;
-pub mod weights;
+mod weights;
 
 pub use activation::Activation;
 pub use config::{DropoutAt, FeedForwardConfig, MAX_DIM, MAX_MATRIX};
-pub use error::{ConfigError, Error, printable};
+pub use error::{ConfigError, Error};
+#[doc(hidden)]
+pub use error::printable;
 pub use hf::HfModel;
 #[doc(hidden)]
 pub use linear::linear;
@@ -82,8 +86,9 @@ pub(crate) fn normal_name(name: &str) -> String {
 }
 
 /// Branch-free `f32` math that compilers vectorise, as the CPU kernels use it (shared with
-/// `ffn-train`'s attention and loss kernels).
+/// `ffn-train`'s attention and loss kernels): not part of the crate's API.
 #[cfg(feature = "flex")]
+#[doc(hidden)]
 pub mod math {
     pub use crate::cpu::exp;
 }
@@ -95,9 +100,9 @@ pub mod math {
 /// A training step frees and allocates the same large buffers again and again. glibc serves
 /// blocks of 32 MiB and more (and, after a free, ones above a threshold that adapts) from fresh
 /// `mmap`s and trims its heaps after each free, so every step page-faults and zero-fills its
-/// buffers anew. Raising the mmap and trim thresholds keeps those pages mapped: the README's main
-/// job ran 1.15× faster for 6 MiB more resident memory, and a forward and backward pass of the
-/// FFN op or of a [`Moe`] layer 1.1–1.15× faster (BENCHMARKS.md). The price: memory freed after a
+/// buffers anew. Raising the mmap and trim thresholds keeps those pages mapped, which makes training
+/// steps measurably faster for a few MiB more resident memory (BENCHMARKS.md has the figures:
+/// the README's main job, the FFN op, a [`Moe`] layer). The price: memory freed after a
 /// peak stays with the process until it exits.
 ///
 /// ```

@@ -36,6 +36,29 @@ use crate::{Activation, DropoutAt, FeedForwardConfig, Memory, Precision};
 /// The activation is recorded with them (as the integer tensor `activation`), so saving and
 /// loading with burn's records restores it.
 ///
+/// # Weight files
+///
+/// [`load_safetensors`](Self::load_safetensors) and [`save_safetensors`](Self::save_safetensors)
+/// use the names and layout a PyTorch module with the same attributes would (`nn.Linear`
+/// stores `[out_features, in_features]`, the transpose of burn's `[d_input, d_output]`):
+///
+/// | key           | shape             |
+/// |---------------|-------------------|
+/// | `up.weight`   | `[d_ff, d_model]` |
+/// | `up.bias`     | `[d_ff]`          |
+/// | `gate.weight` | `[d_ff, d_model]` |
+/// | `gate.bias`   | `[d_ff]`          |
+/// | `down.weight` | `[d_model, d_ff]` |
+/// | `down.bias`   | `[d_model]`       |
+///
+/// or, with the `_as` methods, any other [`Scheme`](crate::Scheme) (Hugging Face BERT, T5,
+/// LLaMA, GPT-2, Meta's LLaMA, labml, the packed `w12` and `gate_up_proj` layouts) under a key
+/// prefix such as `model.layers.3.mlp.`. Loading is strict: the file must hold exactly the
+/// tensors the module has, with these shapes; F32 and F64 are read as they are, F16 and BF16
+/// widened exactly, other dtypes refused, each as a typed [`Error`](crate::Error) naming the
+/// key. Files written here carry the header metadata `ffn.activation` (and `format = pt`);
+/// loading such a file adopts its activation, as burn records do.
+///
 /// ```
 /// use burn::tensor::{Device, Tensor};
 /// use ffn_model::{FeedForwardConfig, Variant};

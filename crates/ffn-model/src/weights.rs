@@ -41,8 +41,8 @@ use crate::{Activation, Error, FeedForward, Scheme};
 const ACTIVATION_KEY: &str = "ffn.activation";
 
 impl FeedForward {
-    /// Loads weights from a safetensors file with this crate's names in PyTorch layout (see the
-    /// [module docs](crate::weights)), keeping this module's device and dtype.
+    /// Loads weights from a safetensors file with this crate's names in PyTorch layout (see
+    /// [Weight files](FeedForward#weight-files)), keeping this module's device and dtype.
     ///
     /// Call it on a module built from the matching config, as with burn's `load_file`.
     ///
