@@ -67,9 +67,9 @@ mod weights;
 
 pub use activation::Activation;
 pub use config::{DropoutAt, FeedForwardConfig, MAX_DIM, MAX_MATRIX};
-pub use error::{ConfigError, Error};
 #[doc(hidden)]
 pub use error::printable;
+pub use error::{ConfigError, Error};
 pub use hf::HfModel;
 #[doc(hidden)]
 pub use linear::linear;
