@@ -165,12 +165,12 @@ const MAX_ERROR_CHARS: usize = 2000;
 
 #[cfg(unix)]
 extern "C" fn on_stop_signal(_: libc::c_int) {
-    if ffn_train::training::stop_requested() {
+    if ffn_train::interrupt::stop_requested() {
         // A second signal: stop now (the newest checkpoint is complete, as always).
         // SAFETY: _exit is async-signal-safe.
         unsafe { libc::_exit(i32::from(EXIT_INTERRUPTED)) }
     }
-    ffn_train::training::request_stop();
+    ffn_train::interrupt::request_stop();
 }
 
 fn main() -> ExitCode {

@@ -5,8 +5,13 @@
 //!     ffn.toml         the FFN's FeedForwardConfig, for loading the weights elsewhere
 //!     vocab.json       the tokeniser of a language task
 //!     corpus.json      the text file's path, size and SHA-256 (a `--text` run)
+//!     markov.bin       a Markov source's stationary distribution, solved once (Markov tasks)
 //!     metrics.jsonl    one JSON record a line; metrics.csv the same as CSV
-//!     summary.json     the end-of-run summary; loss.svg its plot
+//!     timing.jsonl     the wall clock at each logged step
+//!     summary.json     the end-of-run summary
+//!     loss.svg         the losses against steps, the optimum dashed
+//!     gap.svg          the gap to the optimum, log scale (when the optimum is known)
+//!     load.svg         the experts' load (a model with sparse layers)
 //!     checkpoints/     step-NNNNNN/ folders (see `checkpoint`)
 //!     .lock            held (an advisory lock) by the one process training the run
 //! ```

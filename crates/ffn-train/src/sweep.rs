@@ -696,7 +696,7 @@ impl Sweep {
         let mut failure: Option<Error> = None;
         let mut stopping = false;
         loop {
-            if !stopping && (failure.is_some() || crate::training::stop_requested()) {
+            if !stopping && (failure.is_some() || crate::interrupt::stop_requested()) {
                 // Every running cell stops at a checkpoint; no new one starts.
                 stopping = true;
                 for (_, child, _) in &mut running {

@@ -35,6 +35,7 @@ use crate::checkpoint::{self, RngState, State};
 use crate::config::{ModelConfig, TaskConfig, TrainConfig, TrainSettings};
 use crate::data::{Batch, Language, Task, Vocab};
 use crate::files;
+use crate::interrupt;
 use crate::metrics::{self, Metrics, MoeLoad, Progress, Record, Summary, Timing};
 use crate::model::{Materialize, Model};
 use crate::optim::optimizer;
@@ -340,21 +341,6 @@ pub fn evaluate(model: &Model, batches: &[Batch]) -> f64 {
         .map(|b| model.loss(b).into_scalar::<f64>())
         .sum();
     total / batches.len() as f64
-}
-
-/// Set by [`request_stop`]: the training loop finishes its step, writes a checkpoint and
-/// returns [`Error::Interrupted`].
-static STOP: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-
-/// Asks a running [`Trainer::run`] to stop cleanly after its current step (the binary calls it
-/// on SIGINT and SIGTERM). Only an atomic store: safe in a signal handler.
-pub fn request_stop() {
-    STOP.store(true, std::sync::atomic::Ordering::SeqCst);
-}
-
-/// Whether [`request_stop`] was called.
-pub fn stop_requested() -> bool {
-    STOP.load(std::sync::atomic::Ordering::SeqCst)
 }
 
 /// A run in progress: everything the loop needs.
@@ -908,7 +894,7 @@ impl Trainer {
                 last_valid = Some(valid);
                 interval.0 = Instant::now(); // evaluation time is not training throughput
             }
-            let stopping = stop_requested() && !last;
+            let stopping = interrupt::stop_requested() && !last;
             if done.is_multiple_of(t.checkpoint_every) || last || stopping {
                 self.metrics.time(&Timing {
                     step: done,
