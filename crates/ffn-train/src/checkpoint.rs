@@ -26,9 +26,9 @@ use burn::module::Module;
 use burn::optim::ModuleOptimizer;
 use serde::{Deserialize, Serialize};
 
+use crate::error::{Error, Result};
 use crate::files;
 use crate::model::Model;
-use crate::{Error, Result};
 
 /// The non-tensor state of a run at a checkpoint.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

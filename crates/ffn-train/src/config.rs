@@ -13,7 +13,7 @@ use burn::tensor::Device;
 use ffn_model::{Activation, DropoutAt, FeedForwardConfig, Memory, Precision, Variant};
 use serde::{Deserialize, Serialize};
 
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 
 /// Everything a run needs, as read from its TOML file.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -20,8 +20,8 @@ use burn::tensor::{Device, Distribution, Int, Tensor, TensorData};
 use ffn_model::{FeedForward, FeedForwardConfig};
 
 use crate::config::{MarkovConfig, TaskConfig, TextConfig, TextLevel, TrainConfig};
+use crate::error::{Error, Result};
 use crate::rng::Rng;
-use crate::{Error, Result};
 
 /// The tokeniser of a language task, in its run folder.
 pub const VOCAB: &str = "vocab.json";

@@ -2,7 +2,7 @@
 
 use std::path::Path;
 
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 
 /// FNV-1a: the hash of random streams' names ([`crate::rng`]) and of config texts
 /// ([`fingerprint`]).

@@ -9,10 +9,11 @@ use std::path::{Path, PathBuf};
 use burn::module::Module;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 
+use crate::error::{Error, Result};
 use crate::model::Model;
+use crate::model::evaluate;
 use crate::rng::Rng;
-use crate::training::{evaluate, load_at, load_language_model, load_latest_good};
-use crate::{Error, Result};
+use crate::run::{load_at, load_language_model, load_latest_good};
 
 /// The validation loss of a trained run (`eval --json` prints it).
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
@@ -35,7 +36,7 @@ pub struct Evaluation {
 }
 
 /// Evaluates a checkpoint of `run` on `batches` validation batches: the folder `checkpoint`
-/// (see [`checkpoint_named`](crate::training::checkpoint_named)) if given, else the newest
+/// (see [`checkpoint_named`](crate::run::checkpoint_named)) if given, else the newest
 /// good one.
 pub fn evaluate_run(
     run: &Path,

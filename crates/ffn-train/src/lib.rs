@@ -28,6 +28,7 @@ pub mod optim;
 pub mod plot;
 pub mod rng;
 pub mod run;
+mod shards;
 pub mod stats;
 pub mod sweep;
 pub mod training;

@@ -323,7 +323,7 @@ fn run(cli: Cli) -> Result<()> {
             device,
         } => {
             let device = device.device()?;
-            let checkpoint = checkpoint.map(|c| ffn_train::training::checkpoint_named(&run, &c));
+            let checkpoint = checkpoint.map(|c| ffn_train::run::checkpoint_named(&run, &c));
             let e = inference::evaluate_run(&run, &device, batches, checkpoint.as_deref())?;
             for warning in &e.warnings {
                 eprintln!("warning: {warning}");
@@ -373,7 +373,7 @@ fn run(cli: Cli) -> Result<()> {
                 temperature,
                 top_k,
                 seed,
-                checkpoint: checkpoint.map(|c| ffn_train::training::checkpoint_named(&run, &c)),
+                checkpoint: checkpoint.map(|c| ffn_train::run::checkpoint_named(&run, &c)),
             };
             use std::io::Write;
             let mut stdout = std::io::stdout().lock();

@@ -19,7 +19,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 
 /// One logged value.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

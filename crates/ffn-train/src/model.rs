@@ -21,7 +21,7 @@ use ffn_model::{FeedForward, FeedForwardConfig, Moe, Precision, linear};
 
 use crate::config::{ModelConfig, TaskConfig, TrainConfig};
 use crate::data::Batch;
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 
 /// The feed-forward layer of a model: dense, or a sparse mixture of experts.
 #[derive(Module, Debug)]
@@ -438,6 +438,16 @@ impl Model {
             Model::Ffn(ffn) => Model::Ffn(ffn.update_selection_bias(&mut loads)),
         }
     }
+}
+
+/// The mean loss of a model over batches (validation mode, no autodiff).
+pub fn evaluate(model: &Model, batches: &[Batch]) -> f64 {
+    let model = model.valid();
+    let total: f64 = batches
+        .iter()
+        .map(|b| model.loss(b).into_scalar::<f64>())
+        .sum();
+    total / batches.len() as f64
 }
 
 /// Initialises every (lazily initialised) parameter.

@@ -1,4 +1,4 @@
-//! # The optimiser: AdamW whose state lives on the run's device
+//! # The optimiser: AdamW whose state lives on the run's device, its schedule and clipping
 //!
 //! AdamW (Loshchilov & Hutter, 2019) keeps two moments per parameter θ with gradient g:
 //!
@@ -20,7 +20,12 @@ use burn::optim::{
 use burn::tensor::Device;
 use burn::tensor::kind::BridgeTensor;
 
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::optim::GradientsParams;
+use burn::tensor::Tensor;
+
 use crate::config::TrainSettings;
+use crate::model::Model;
 
 /// The run's AdamW (β₁, β₂, ε = 1e-8, decoupled weight decay λ), whose state is built on
 /// `device` when a checkpoint is loaded (see the module docs).
@@ -132,4 +137,62 @@ mod tests {
         m2.into_data().assert_eq(&m.into_data(), true);
         v2.into_data().assert_eq(&v.into_data(), true);
     }
+}
+
+/// The learning rate after `step` completed steps: linear warm-up from `lr / warmup` to `lr`
+/// over `warmup_steps`, then cosine decay to `min_lr` at the last step.
+pub fn learning_rate(t: &TrainSettings, step: usize) -> f64 {
+    let warmup = t.warmup_steps.min(t.steps);
+    if step < warmup {
+        return t.lr * (step + 1) as f64 / warmup as f64;
+    }
+    let decay_steps = (t.steps - warmup).max(1) as f64;
+    let progress = ((step - warmup) as f64 / decay_steps).min(1.0);
+    t.min_lr + 0.5 * (t.lr - t.min_lr) * (1.0 + (std::f64::consts::PI * progress).cos())
+}
+
+/// `Σ ‖g‖²` over the module's parameters.
+struct SquaredNorm<'a> {
+    grads: &'a GradientsParams,
+    total: Option<Tensor<1>>,
+}
+
+impl ModuleVisitor for SquaredNorm<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        if let Some(g) = self.grads.get::<D>(param.id) {
+            let s = g.square().sum();
+            self.total = Some(match self.total.take() {
+                Some(t) => t + s,
+                None => s,
+            });
+        }
+    }
+}
+
+/// Multiplies every gradient by a factor.
+struct Scale<'a> {
+    grads: &'a mut GradientsParams,
+    factor: f64,
+}
+
+impl ModuleVisitor for Scale<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        if let Some(g) = self.grads.remove::<D>(param.id) {
+            self.grads.register(param.id, g * self.factor);
+        }
+    }
+}
+
+/// Clips the global gradient norm to `max_norm` (no-op for 0); returns the norm before.
+pub fn clip_global_norm(model: &Model, grads: &mut GradientsParams, max_norm: f64) -> f64 {
+    let mut norm = SquaredNorm { grads, total: None };
+    model.visit(&mut norm);
+    let norm = norm.total.map_or(0.0, |t| t.into_scalar::<f64>().sqrt());
+    if max_norm > 0.0 && norm > max_norm {
+        model.visit(&mut Scale {
+            grads,
+            factor: max_norm / norm,
+        });
+    }
+    norm
 }

@@ -197,7 +197,7 @@ fn mutated_checkpoint_folders_never_panic() {
                 }
             }
         }
-        if ffn_train::training::load_latest(&run, &device).is_ok() {
+        if ffn_train::run::load_latest(&run, &device).is_ok() {
             loaded += 1;
         }
         let _ = Trainer::resume(&run, &device);

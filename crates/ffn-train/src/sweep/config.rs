@@ -7,7 +7,7 @@ use ffn_model::Variant;
 use serde::{Deserialize, Serialize};
 
 use crate::config::TrainConfig;
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 
 /// A sweep config file.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

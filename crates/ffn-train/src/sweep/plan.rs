@@ -6,9 +6,10 @@ use std::path::{Path, PathBuf};
 use ffn_model::Variant;
 
 use super::config::valid_name;
-use super::*;
+use super::config::*;
+use super::grid::*;
 use crate::config::TrainConfig;
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 
 impl Sweep {
     /// Plans the cells of `config`, whose tasks' config paths are relative to `base`.

@@ -5,8 +5,9 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-use super::*;
-use crate::Result;
+use super::config::*;
+use super::grid::*;
+use crate::error::Result;
 use crate::metrics::{self};
 use crate::stats;
 

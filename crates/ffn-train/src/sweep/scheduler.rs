@@ -7,14 +7,15 @@ use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use super::*;
+use super::grid::*;
+use super::report::SweepSummary;
 use crate::config::TrainConfig;
+use crate::error::{Error, Result};
 use crate::metrics::{self, Progress};
-use crate::{Error, Result};
 
 /// `ffn-train train`'s exit statuses, as `ExitStatus::code` gives them.
-const EXIT_DIVERGED: i32 = crate::EXIT_DIVERGED as i32;
-const EXIT_INTERRUPTED: i32 = crate::EXIT_INTERRUPTED as i32;
+const EXIT_DIVERGED: i32 = crate::error::EXIT_DIVERGED as i32;
+const EXIT_INTERRUPTED: i32 = crate::error::EXIT_INTERRUPTED as i32;
 
 impl Sweep {
     /// The results of the cells that have finished, in grid order (a result written for

@@ -25,9 +25,15 @@
 use std::fs::{self, File, OpenOptions, TryLockError};
 use std::path::{Path, PathBuf};
 
+mod load;
+
 pub use crate::checkpoint::CHECKPOINTS;
 pub use crate::data::{MARKOV, VOCAB};
-use crate::{Error, Result};
+use crate::error::{Error, Result};
+pub use load::{
+    Corpus, Loaded, checkpoint_named, initialise, load_at, load_language_model, load_latest,
+    load_latest_good, load_run,
+};
 
 /// The resolved config.
 pub const CONFIG: &str = "config.toml";
