@@ -283,7 +283,7 @@ fn run(cli: Cli) -> Result<()> {
                 print!("{}", config.to_toml());
                 println!(
                     "# memory estimate: {} (training and {} validation batches)",
-                    ffn_train::config::bytes(config.memory_estimate()),
+                    ffn_train::config::memory::bytes(config.memory_estimate()),
                     config.train.eval_batches
                 );
                 return Ok(());
