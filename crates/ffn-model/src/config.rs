@@ -13,10 +13,9 @@
 //! and a misspelt key is an error rather than silently ignored.
 
 use burn::nn::Initializer;
-use burn::tensor::Device;
 use serde::{Deserialize, Serialize};
 
-use crate::{Activation, ConfigError, FeedForward, Memory, Precision};
+use crate::{Activation, ConfigError, Memory, Precision};
 
 /// Where dropout is applied.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -30,7 +29,7 @@ pub enum DropoutAt {
     Output,
 }
 
-/// The configuration of a [`FeedForward`] network.
+/// The configuration of a [`FeedForward`](crate::FeedForward) network.
 ///
 /// Ungated: `y = down(φ(up(x)))`. Gated: `y = down(φ(gate(x)) ⊙ up(x))`, the LLaMA/T5
 /// convention: the activated projection is `gate`, its linear partner `up`.
@@ -324,23 +323,6 @@ impl FeedForwardConfig {
             .saturating_mul(self.d_model as u64)
             .saturating_mul(self.d_ff as u64)
             .saturating_mul(2)
-    }
-
-    /// Builds the module on `device`.
-    ///
-    /// # Panics
-    ///
-    /// If the config is invalid (see [`validate`](Self::validate)); use
-    /// [`try_init`](Self::try_init) to get the error instead.
-    pub fn init(&self, device: &Device) -> FeedForward {
-        self.try_init(device)
-            .unwrap_or_else(|err| panic!("invalid FeedForwardConfig: {err}"))
-    }
-
-    /// Builds the module on `device`, or says why the config is invalid.
-    pub fn try_init(&self, device: &Device) -> Result<FeedForward, ConfigError> {
-        self.validate()?;
-        Ok(FeedForward::new(self, device))
     }
 
     /// Parses and validates a TOML config.

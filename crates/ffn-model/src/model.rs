@@ -25,7 +25,26 @@ use burn::tensor::{Device, Tensor};
 use crate::activation::ActivationState;
 use crate::dropout;
 use crate::op::{self, Spec};
-use crate::{Activation, DropoutAt, FeedForwardConfig, Memory, Precision};
+use crate::{Activation, ConfigError, DropoutAt, FeedForwardConfig, Memory, Precision};
+
+impl FeedForwardConfig {
+    /// Builds the module on `device`.
+    ///
+    /// # Panics
+    ///
+    /// If the config is invalid (see [`validate`](Self::validate)); use
+    /// [`try_init`](Self::try_init) to get the error instead.
+    pub fn init(&self, device: &Device) -> FeedForward {
+        self.try_init(device)
+            .unwrap_or_else(|err| panic!("invalid FeedForwardConfig: {err}"))
+    }
+
+    /// Builds the module on `device`, or says why the config is invalid.
+    pub fn try_init(&self, device: &Device) -> Result<FeedForward, ConfigError> {
+        self.validate()?;
+        Ok(FeedForward::new(self, device))
+    }
+}
 
 /// The position-wise feed-forward network, every variant: build it with
 /// [`FeedForwardConfig::init`].

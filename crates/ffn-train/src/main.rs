@@ -9,7 +9,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 use ffn_train::config::{TaskConfig, TextConfig, TextLevel};
 use ffn_train::inference::{self, SampleOptions};
-use ffn_train::metrics::{self, Progress, Summary};
+use ffn_train::metrics::{self, Progress, RunSummary};
 use ffn_train::training::describe;
 use ffn_train::{
     DEFAULT_CONFIG, EXIT_DIVERGED, EXIT_INTERRUPTED, Result, TrainConfig, Trainer, backend,
@@ -605,7 +605,7 @@ fn announce(trainer: &Trainer, device: &burn::tensor::Device, what: &str) {
     println!("matrix products: {}", backend::kernels(device));
 }
 
-fn report(run: &Path, s: Summary) -> Result<()> {
+fn report(run: &Path, s: RunSummary) -> Result<()> {
     let fmt = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.4}"));
     println!(
         "done: {} steps in {} | train {} | valid {} (best {} at step {}) | optimum {} | gap {} | {:.0} tokens/s",

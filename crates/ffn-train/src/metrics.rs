@@ -239,7 +239,7 @@ fn read_lines<T: DeserializeOwned>(path: &Path, what: &str) -> Result<Vec<(Strin
 
 /// The end-of-run summary, `summary.json`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Summary {
+pub struct RunSummary {
     /// `completed`.
     pub status: String,
     /// Steps completed.
@@ -350,13 +350,13 @@ impl Progress {
 }
 
 /// Writes the summary as pretty JSON.
-pub fn write_summary(run: &Path, summary: &Summary) -> Result<()> {
+pub fn write_summary(run: &Path, summary: &RunSummary) -> Result<()> {
     let json = serde_json::to_string_pretty(summary).expect("summary serialises") + "\n";
     crate::files::write_atomically(&run.join(crate::run::SUMMARY), json.as_bytes())
 }
 
 /// Reads `summary.json`.
-pub fn read_summary(run: &Path) -> Result<Summary> {
+pub fn read_summary(run: &Path) -> Result<RunSummary> {
     let path = run.join(crate::run::SUMMARY);
     let text = fs::read_to_string(&path).map_err(Error::io(&path))?;
     serde_json::from_str(&text).map_err(|e| Error::Checkpoint {

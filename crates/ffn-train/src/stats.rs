@@ -22,7 +22,7 @@
 
 /// Mean, spread and 95 % confidence interval of a sample.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Summary {
+pub struct SampleStats {
     /// The number of values.
     pub n: usize,
     /// Their mean.
@@ -35,8 +35,8 @@ pub struct Summary {
     pub ci95: (f64, f64),
 }
 
-/// The [`Summary`] of `values`, or `None` when there are none.
-pub fn summarize(values: &[f64]) -> Option<Summary> {
+/// The [`SampleStats`] of `values`, or `None` when there are none.
+pub fn sample_stats(values: &[f64]) -> Option<SampleStats> {
     let n = values.len();
     if n == 0 {
         return None;
@@ -53,7 +53,7 @@ pub fn summarize(values: &[f64]) -> Option<Summary> {
     } else {
         0.0
     };
-    Some(Summary {
+    Some(SampleStats {
         n,
         mean,
         std,
@@ -81,7 +81,7 @@ pub fn paired_t_test(a: &[f64], b: &[f64]) -> Option<Paired> {
         return None;
     }
     let d: Vec<f64> = a.iter().zip(b).map(|(x, y)| x - y).collect();
-    let s = summarize(&d)?;
+    let s = sample_stats(&d)?;
     let (t, p) = if s.stderr > 0.0 {
         let t = s.mean / s.stderr;
         (t, t_two_sided_p(t, (s.n - 1) as f64))
@@ -324,16 +324,16 @@ mod tests {
 
     #[test]
     fn summaries_and_paired_tests_match_hand_computed_values() {
-        let s = summarize(&[1.0, 2.0, 3.0, 4.0, 6.0]).unwrap();
+        let s = sample_stats(&[1.0, 2.0, 3.0, 4.0, 6.0]).unwrap();
         assert_eq!(s.n, 5);
         assert!(close(s.mean, 3.2, 1e-15));
         assert!(close(s.std, 3.7f64.sqrt(), 1e-15));
         assert!(close(s.stderr, 0.74f64.sqrt(), 1e-15));
         let half = 2.776_445_105_197_8 * 0.74f64.sqrt();
         assert!(close(s.ci95.0, 3.2 - half, 1e-12) && close(s.ci95.1, 3.2 + half, 1e-12));
-        let one = summarize(&[2.5]).unwrap();
+        let one = sample_stats(&[2.5]).unwrap();
         assert_eq!((one.std, one.ci95), (0.0, (2.5, 2.5)));
-        assert_eq!(summarize(&[]), None);
+        assert_eq!(sample_stats(&[]), None);
 
         let p = paired_t_test(&[1.0, 2.0, 3.0, 4.0], &[0.5, 1.9, 2.2, 3.4]).unwrap();
         assert_eq!(p.n, 4);

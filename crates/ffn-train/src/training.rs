@@ -36,7 +36,7 @@ use crate::data::{Batch, Language, Task};
 use crate::error::{Error, Result};
 use crate::files;
 use crate::interrupt;
-use crate::metrics::{self, Metrics, MoeLoad, Progress, Record, Summary, Timing};
+use crate::metrics::{self, Metrics, MoeLoad, Progress, Record, RunSummary, Timing};
 use crate::model::{Model, evaluate};
 use crate::optim::optimizer;
 use crate::optim::{clip_global_norm, learning_rate};
@@ -233,7 +233,7 @@ impl Trainer {
     }
 
     /// Trains to the configured number of steps, then writes the summary and the plot.
-    pub fn run(mut self, progress: &Progress) -> Result<Summary> {
+    pub fn run(mut self, progress: &Progress) -> Result<RunSummary> {
         let seed = self.config.seed;
         let t = self.config.train.clone();
         let optimum = self.task.optimal_loss();
@@ -374,7 +374,7 @@ impl Trainer {
     }
 
     /// Writes `summary.json` and `loss.svg` from the metrics and the final state.
-    fn finish(&self, elapsed_s: f64) -> Result<Summary> {
+    fn finish(&self, elapsed_s: f64) -> Result<RunSummary> {
         let records = metrics::read_records(&self.run.join(run::METRICS_JSONL))?;
         let timings = metrics::read_timings(&self.run.join(run::TIMING))?;
         let optimum = self.task.optimal_loss();
@@ -388,7 +388,7 @@ impl Trainer {
         let train_rates: Vec<f64> = timings.iter().filter_map(|t| t.tokens_per_s).collect();
         let best = self.state.best_valid;
         let ffn_params = self.ffn_params();
-        let summary = Summary {
+        let summary = RunSummary {
             status: "completed".into(),
             steps: self.state.step,
             final_train_loss: last("train"),
@@ -488,9 +488,9 @@ mod tests {
     use crate::model::Materialize;
 
     /// `Σ_params Σ |g|` and `Σ_params Σ g²` of a model's gradients.
-    struct Summary<'a>(&'a GradientsParams, Vec<(f64, f64)>);
+    struct RunSummary<'a>(&'a GradientsParams, Vec<(f64, f64)>);
 
-    impl ModuleVisitor for Summary<'_> {
+    impl ModuleVisitor for RunSummary<'_> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
             let g = self
                 .0
@@ -536,7 +536,7 @@ mod tests {
             );
             let summary = |shards: usize, masks: Masks| {
                 let (loss, grads, _) = loss_and_gradients(&model, &batch, shards, masks);
-                let mut s = Summary(&grads, Vec::new());
+                let mut s = RunSummary(&grads, Vec::new());
                 model.visit(&mut s);
                 (loss, s.1)
             };

@@ -5,10 +5,10 @@ mod common;
 
 use common::{device, scratch, serial};
 use ffn_model::Variant;
-use ffn_train::metrics::{Progress, Summary};
+use ffn_train::metrics::{Progress, RunSummary};
 use ffn_train::{TrainConfig, Trainer};
 
-fn train(name: &str, toml: &str, sets: &[&str]) -> Summary {
+fn train(name: &str, toml: &str, sets: &[&str]) -> RunSummary {
     let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
     let config = TrainConfig::from_toml(toml, &sets).unwrap();
     let dir = scratch(name);

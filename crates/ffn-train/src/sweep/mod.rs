@@ -79,7 +79,7 @@ pub use config::{CustomVariant, SweepConfig, SweepTask, SweepVariant};
 pub use grid::{
     CELLS, CURVES_PLOT, Cell, CellResult, GAPS_PLOT, Options, REPORT, RESULTS, SUMMARY, Sweep,
 };
-pub use report::{Comparison, SweepSummary, VariantSummary, report, summarize};
+pub use report::{Comparison, SweepSummary, VariantStats, report, sweep_summary};
 
 #[cfg(test)]
 mod tests {
@@ -151,7 +151,7 @@ mod tests {
             result(glu, 3, 0.2, Some(0.01)),
             None, // an unfinished cell
         ];
-        let s = summarize("s", &config, 13, &results);
+        let s = sweep_summary("s", &config, 13, &results);
         assert_eq!((s.cells_done, s.cells_total), (12, 13));
         let (r, g) = (&s.variants[0], &s.variants[1]);
         assert_eq!((r.lr, g.lr), (Some(0.2), Some(0.1)));

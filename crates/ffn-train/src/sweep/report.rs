@@ -13,7 +13,7 @@ use crate::stats;
 
 /// Per task and variant, at its best learning rate: an entry of `summary.json`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct VariantSummary {
+pub struct VariantStats {
     /// The task.
     pub task: String,
     /// The variant.
@@ -83,7 +83,7 @@ pub struct SweepSummary {
     /// How the variants were compared.
     pub method: String,
     /// Per task × variant.
-    pub variants: Vec<VariantSummary>,
+    pub variants: Vec<VariantStats>,
     /// Each variant against the baseline.
     pub comparisons: Vec<Comparison>,
     /// Cells finished of the grid.
@@ -102,7 +102,7 @@ const METHOD: &str = "final validation gap (loss − optimum) per seed; each var
 impl Sweep {
     /// The statistics of `results` (grid order, `None` for unfinished cells).
     pub fn summarize(&self, results: &[Option<CellResult>]) -> SweepSummary {
-        summarize(&self.name, &self.config, self.cells.len(), results)
+        sweep_summary(&self.name, &self.config, self.cells.len(), results)
     }
 
     pub(super) fn write_outputs(
@@ -181,7 +181,7 @@ fn mean_curve(runs: &[Points]) -> Points {
 }
 
 /// The statistics of a sweep's results: see the module documentation.
-pub fn summarize(
+pub fn sweep_summary(
     name: &str,
     config: &SweepConfig,
     cells_total: usize,
@@ -213,7 +213,10 @@ pub fn summarize(
                         .filter(|r| r.lr == lr)
                         .map(|r| r.final_gap)
                         .collect();
-                    (lr, gaps.and_then(|g| stats::summarize(&g)).map(|s| s.mean))
+                    (
+                        lr,
+                        gaps.and_then(|g| stats::sample_stats(&g)).map(|s| s.mean),
+                    )
                 })
                 .collect();
             let lr = gap_by_lr
@@ -225,8 +228,8 @@ pub fn summarize(
             let gaps: Vec<f64> = at.iter().filter_map(|r| r.final_gap).collect();
             let best: Vec<f64> = at.iter().filter_map(|r| r.best_gap).collect();
             let speeds: Vec<f64> = at.iter().filter_map(|r| r.tokens_per_s).collect();
-            let s = stats::summarize(&gaps);
-            variants.push(VariantSummary {
+            let s = stats::sample_stats(&gaps);
+            variants.push(VariantStats {
                 task: task.name.clone(),
                 variant: variant.name().into(),
                 lr,
@@ -237,8 +240,8 @@ pub fn summarize(
                 stderr_gap: s.map(|s| s.stderr),
                 ci95_low: s.map(|s| s.ci95.0),
                 ci95_high: s.map(|s| s.ci95.1),
-                mean_best_gap: stats::summarize(&best).map(|s| s.mean),
-                tokens_per_s: stats::summarize(&speeds).map(|s| s.mean),
+                mean_best_gap: stats::sample_stats(&best).map(|s| s.mean),
+                tokens_per_s: stats::sample_stats(&speeds).map(|s| s.mean),
                 params: at.first().map_or(0, |r| r.params),
                 ffn_params: at.first().map_or(0, |r| r.ffn_params),
                 ffn_active_params: at.first().map_or(0, |r| r.ffn_active_params),
@@ -284,7 +287,7 @@ pub fn summarize(
             let (a, b): (Vec<f64>, Vec<f64>) = pairs.into_iter().unzip();
             let (Some(test), Some(d)) = (
                 stats::paired_t_test(&a, &b),
-                stats::summarize(&a.iter().zip(&b).map(|(x, y)| x - y).collect::<Vec<_>>()),
+                stats::sample_stats(&a.iter().zip(&b).map(|(x, y)| x - y).collect::<Vec<_>>()),
             ) else {
                 continue;
             };
@@ -343,7 +346,7 @@ pub fn report(summary: &SweepSummary) -> String {
         }
     }
     for task in tasks {
-        let mut rows: Vec<&VariantSummary> =
+        let mut rows: Vec<&VariantStats> =
             summary.variants.iter().filter(|v| v.task == task).collect();
         rows.sort_by_key(|v| v.rank.unwrap_or(usize::MAX));
         out += &format!(
