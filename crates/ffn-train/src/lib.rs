@@ -20,6 +20,7 @@ pub mod data;
 mod error;
 pub mod files;
 pub mod inference;
+pub mod inspect;
 pub mod interrupt;
 pub mod metrics;
 pub mod model;

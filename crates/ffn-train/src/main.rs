@@ -347,7 +347,9 @@ fn run(cli: Cli) -> Result<()> {
             }
             Ok(())
         }
-        Command::Inspect { path, all } => inspect(&path, all),
+        Command::Inspect { path, all } => {
+            ffn_train::inspect::inspect(&path, all, &mut std::io::stdout().lock())
+        }
         Command::Sweep {
             config,
             out,
@@ -452,137 +454,6 @@ fn sweep(
         "wrote {0}/results.jsonl, {0}/summary.json, {0}/report.md, {0}/gaps.svg, {0}/curves.svg",
         sweep.folder.display()
     );
-    Ok(())
-}
-
-fn inspect(path: &Path, all: bool) -> Result<()> {
-    let files = if path.is_dir() {
-        let model = ffn_model::HfModel::open(path)?;
-        let layers = model.num_layers()?;
-        println!(
-            "{}: Hugging Face `{}` model, {layers} layers, FFN scheme `{}`",
-            path.display(),
-            model.model_type(),
-            model.scheme()
-        );
-        // Sparse layers (a router under the block's prefix) and dense ones.
-        let moe = model.moe_config().ok();
-        let sparse: Vec<Option<String>> = (0..layers)
-            .map(|layer| moe.as_ref().and(model.moe_layer_prefix(layer).ok()))
-            .collect();
-        if sparse.iter().any(Option::is_none) {
-            let what = if moe.is_some() {
-                "dense layers"
-            } else {
-                "every layer"
-            };
-            println!(
-                "FFN config (from config.json), {what}:\n{}",
-                model.ffn_config()?.to_toml()
-            );
-        }
-        if let Some(moe) = &moe {
-            println!(
-                "MoE config (from config.json), sparse layers: {} experts of d_ff {}, top-{}, \
-                 {:?} scores{}{}, {} shared expert(s)\n{}",
-                moe.n_experts,
-                moe.expert.d_ff,
-                moe.top_k,
-                moe.scoring,
-                if moe.normalize_top_k {
-                    ", renormalised"
-                } else {
-                    ""
-                },
-                if moe.n_group > 1 {
-                    format!(", {} of {} groups", moe.topk_group, moe.n_group)
-                } else {
-                    String::new()
-                },
-                moe.n_shared_experts,
-                moe.to_toml()
-            );
-        }
-        for (layer, sparse) in sparse.iter().enumerate() {
-            match sparse {
-                Some(prefix) => println!(
-                    "layer {layer}: sparse (MoE), prefix `{}`",
-                    ffn_model::printable(prefix, 200)
-                ),
-                None => println!(
-                    "layer {layer}: prefix `{}`",
-                    ffn_model::printable(&model.layer_prefix(layer)?, 200)
-                ),
-            }
-        }
-        model.tensors()
-    } else {
-        let contents = ffn_model::inspect::open(path)?;
-        let metadata: Vec<String> = contents
-            .metadata
-            .iter()
-            .map(|(k, v)| {
-                format!(
-                    "{}: {}",
-                    ffn_model::printable(k, 200),
-                    ffn_model::printable(v, 200)
-                )
-            })
-            .collect();
-        println!(
-            "{}: safetensors file, {} tensors, metadata {{{}}}",
-            path.display(),
-            contents.tensors.len(),
-            metadata.join(", ")
-        );
-        let found = &contents.ffns;
-        println!("FFNs found: {}", found.len());
-        for f in found {
-            let c = &f.config;
-            println!(
-                "  `{}`: {} scheme, {}, d_model {}, d_ff {}, biases up/gate/down {}/{}/{}, activation {} ({})",
-                ffn_model::printable(&f.prefix, 200),
-                f.scheme,
-                if c.gated { "gated" } else { "ungated" },
-                c.d_model,
-                c.d_ff,
-                c.bias_up,
-                c.bias_gate,
-                c.bias_down,
-                c.activation,
-                if f.activation_from_file {
-                    "from the file"
-                } else {
-                    "assumed: usual for the scheme"
-                },
-            );
-        }
-        if let Some(first) = found.first() {
-            println!(
-                "FeedForwardConfig of `{}`:\n{}",
-                ffn_model::printable(&first.prefix, 200),
-                first.config.to_toml()
-            );
-        }
-        contents.tensors
-    };
-    let shown = if all {
-        files.len()
-    } else {
-        files.len().min(40)
-    };
-    println!("tensors ({}):", files.len());
-    for (key, dtype, shape) in &files[..shown] {
-        // Names from the file: control characters escaped, length bounded.
-        let (key, dtype) = (
-            ffn_model::printable(key, 200),
-            ffn_model::printable(dtype, 20),
-        );
-        println!("  {key:<60} {dtype:<5} {shape:?}");
-    }
-    if shown < files.len() {
-        println!("  … {} more (--all lists them)", files.len() - shown);
-    }
     Ok(())
 }
 
