@@ -28,13 +28,14 @@ fn values<const R: usize>(t: Tensor<R>) -> Vec<f64> {
 
 /// The largest `|a − b|` over `max(1, max |b|)`.
 fn error(a: &[f64], b: &[f64]) -> f64 {
+    differences(a, b).fold(0.0, f64::max)
+}
+
+/// `|aᵢ − bᵢ|` relative to `b`'s scale (its largest magnitude, at least 1), element by element.
+fn differences<'a>(a: &'a [f64], b: &'a [f64]) -> impl Iterator<Item = f64> + 'a {
     assert_eq!(a.len(), b.len());
     let scale = b.iter().fold(1.0f64, |m, v| m.max(v.abs()));
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f64::max)
-        / scale
+    a.iter().zip(b).map(move |(x, y)| (x - y).abs() / scale)
 }
 
 /// The experts each token uses, by this file's own rule: the `k` largest of `p + bias` within
@@ -309,12 +310,7 @@ fn bf16_experts_round_their_products_and_the_router_stays_f32() {
                 // midpoint (1 in ~10⁴ near one), and move the outputs it feeds by ~2⁻⁹ of
                 // its term. So nearly every output agrees within 1e-5; skipping a rounding
                 // would move nearly all of them.
-                let scale = c.iter().fold(1.0f64, |m, v| m.max(v.abs()));
-                let apart = a
-                    .iter()
-                    .zip(c.iter())
-                    .filter(|(a, c)| (*a - *c).abs() / scale > 1e-5)
-                    .count();
+                let apart = differences(a, c).filter(|d| *d > 1e-5).count();
                 assert!(
                     apart * 50 <= a.len(),
                     "{name} {tensor}: op vs composed: {apart} of {} outputs apart by more \

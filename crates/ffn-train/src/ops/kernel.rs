@@ -14,6 +14,7 @@ pub(crate) fn contiguous(x: &FlexTensor) -> FlexTensor {
     }
 }
 
+/// A `[batch, T, d]` tensor of `data` (row-major).
 pub(crate) fn new_tensor<E: Real>(data: Vec<E>, shape: [usize; 3]) -> FlexTensor {
     FlexTensor::from_data(TensorData::new(data, Shape::new(shape)))
 }
