@@ -16,7 +16,8 @@ use ffn_model::HfModel;
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let out = PathBuf::from(std::env::args().nth(1).ok_or("usage: hf_export DIR")?);
     std::fs::create_dir_all(&out)?;
-    let fixtures = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("crates/ffn-model/tests/data/hf");
+    let fixtures =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("crates/ffn-test-support/data/hf");
     let device = Device::flex();
     for name in ["bert", "t5-relu", "t5-gated", "llama", "gpt2"] {
         let mut model = HfModel::open(fixtures.join(name))?;

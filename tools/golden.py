@@ -12,7 +12,7 @@ to the input and to every weight and bias. Everything is computed in float64 fro
 are exactly representable in float32, so the Rust tests can check an f32 module at ~1e-5 and an
 f64 module at ~1e-12 against the same files.
 
-One file per activation, crates/ffn-model/tests/data/golden_<activation>.safetensors, keys
+One file per activation, crates/ffn-test-support/data/golden_<activation>.safetensors, keys
 
     <case>/<param>                     weights, PyTorch layout ([out, in])
     <case>/r<rank>/x, /y, /dx          input, output, dL/dx
@@ -22,7 +22,7 @@ with <case> = "<plain|gated>_b<up><gate><down>" (bias flags as 0/1) and <param> 
 up.weight, up.bias, gate.weight, gate.bias, down.weight, down.bias.
 
 Mixed precision (`precision = "bf16"`): one more file per activation,
-crates/ffn-model/tests/data/golden_bf16_<activation>.safetensors, with the same cases and keys
+crates/ffn-test-support/data/golden_bf16_<activation>.safetensors, with the same cases and keys
 for the weights and inputs, and two references for each rank:
 
     <case>/r<rank>/recipe/y, /dx, /grad/<param>     ffn's recipe, emulated in float64
@@ -50,7 +50,7 @@ from safetensors.torch import save_file
 
 D_MODEL, D_FF = 5, 7
 SHAPES = {2: (3, D_MODEL), 3: (2, 3, D_MODEL), 4: (2, 2, 2, D_MODEL)}
-OUT = pathlib.Path(__file__).resolve().parent.parent / "crates/ffn-model/tests/data"
+OUT = pathlib.Path(__file__).resolve().parent.parent / "crates/ffn-test-support/data"
 
 ACTIVATIONS = {
     "relu": F.relu,

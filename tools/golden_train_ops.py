@@ -10,7 +10,7 @@
   `cross_entropy/{logits,targets,loss,dlogits}` (targets int64).
 
 Inputs are float32 values, everything is computed in float64, so the tests check the ops in f32
-(~1e-5) and f64 (~1e-12) against the same file: crates/ffn-train/tests/data/golden_ops.safetensors.
+(~1e-5) and f64 (~1e-12) against the same file: crates/ffn-test-support/data/golden_ops.safetensors.
 
 Usage: pip install torch safetensors && python3 tools/golden_train_ops.py
 """
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-OUT = pathlib.Path(__file__).resolve().parent.parent / "crates/ffn-train/tests/data"
+OUT = pathlib.Path(__file__).resolve().parent.parent / "crates/ffn-test-support/data"
 ATTENTION = {  # name: (batch, T, heads, dₕ)
     "small": (2, 5, 3, 4),
     "tiles": (2, 20, 2, 16),

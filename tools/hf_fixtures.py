@@ -2,7 +2,7 @@
 """Tiny Hugging Face models for ffn-model's loading tests, made locally by `transformers`.
 
 For each model type it builds a randomly initialised model from a small config (nothing is
-downloaded), saves it with `save_pretrained` into crates/ffn-model/tests/data/hf/<name>/, and
+downloaded), saves it with `save_pretrained` into crates/ffn-test-support/data/hf/<name>/, and
 records, for a fixed input x of shape [2, 3, hidden], the output of each layer's own FFN
 submodule in eval mode:
 
@@ -32,7 +32,7 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-OUT = pathlib.Path(__file__).resolve().parent.parent / "crates/ffn-model/tests/data/hf"
+OUT = pathlib.Path(__file__).resolve().parent.parent / "crates/ffn-test-support/data/hf"
 HIDDEN, INTER = 16, 40
 
 

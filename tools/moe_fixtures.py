@@ -3,7 +3,7 @@
 `transformers` (nothing is downloaded).
 
 For each model type it builds a randomly initialised two-layer model from a small config,
-saves it with `save_pretrained` into crates/ffn-model/tests/data/hf/<name>/, and records for
+saves it with `save_pretrained` into crates/ffn-test-support/data/hf/<name>/, and records for
 layer 1's sparse block (in float64, train mode off, experts_implementation="eager"), for a fixed
 input x of shape [2, 5, hidden] and the loss L = Σ y ⊙ g:
 
@@ -28,7 +28,7 @@ import torch
 import transformers
 from safetensors.torch import save_file
 
-OUT = pathlib.Path(__file__).resolve().parent.parent / "crates/ffn-model/tests/data/hf"
+OUT = pathlib.Path(__file__).resolve().parent.parent / "crates/ffn-test-support/data/hf"
 HIDDEN, EXPERT = 16, 12
 
 

@@ -1,11 +1,9 @@
 //! The module's behaviour: any input rank, shape errors, dropout, counts and display.
 
-mod common;
-
 use burn::module::Module;
 use burn::tensor::{Device, Distribution, Tensor};
-use common::device;
 use ffn_model::{Activation, DropoutAt, FeedForwardConfig, Variant};
+use ffn_test_support::device;
 
 #[test]
 fn acts_on_the_last_dimension_of_any_rank() {

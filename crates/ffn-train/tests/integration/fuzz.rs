@@ -5,11 +5,9 @@
 //! `FFN_FUZZ_CASES=N` sets the cases per property (defaults below), `FFN_FUZZ_SECONDS` the time
 //! box of each (default 60).
 
-mod common;
-
 use std::fs;
 
-use common::{TINY_LM, device, property, scratch, serial};
+use crate::common::{TINY_LM, device, property, scratch, serial};
 use ffn_train::{DEFAULT_CONFIG, TrainConfig, Trainer};
 
 const KEYS: [&str; 30] = [
@@ -147,7 +145,7 @@ fn mutated_checkpoint_folders_never_panic() {
         .unwrap();
     let run = dir.join("r");
     let checkpoints = run.join("checkpoints");
-    let pristine: Vec<(std::path::PathBuf, Vec<u8>)> = common::snapshot(&run);
+    let pristine: Vec<(std::path::PathBuf, Vec<u8>)> = crate::common::snapshot(&run);
     let files = ["model.bpk", "optim.bpk", "state.json", "checksums.json"];
     let mut loaded = 0;
     property("checkpoint mutations", 0xC4EC, 400, |rng| {

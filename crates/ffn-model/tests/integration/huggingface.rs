@@ -5,14 +5,12 @@
 //!
 //! Tolerance: 1e-5 absolute on outputs of order one (f32 throughout).
 
-mod common;
-
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use burn::tensor::{Tensor, TensorData};
-use common::{Scratch, data_file, device, scratch};
 use ffn_model::{Activation, Error, FeedForwardConfig, HfModel, Scheme};
+use ffn_test_support::{Scratch, data_file, device, scratch};
 use safetensors::SafeTensors;
 
 const TOLERANCE: f32 = 1e-5;

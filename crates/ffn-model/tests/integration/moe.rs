@@ -8,13 +8,11 @@
 //! - hand-computed auxiliary losses and capacity drops on small cases;
 //! - a one-expert, top-1 layer is its expert exactly.
 
-mod common;
-
 use burn::module::{Module, Param};
 use burn::tensor::activation::{sigmoid, softmax};
 use burn::tensor::{DType, Device, Tensor, TensorData};
-use common::{Cast, Perturb, Rng, device, property};
 use ffn_model::{Activation, ConfigError, FeedForwardConfig, Memory, Moe, MoeConfig, Scoring};
+use ffn_test_support::{Cast, Perturb, Rng, device, property};
 
 const D: usize = 6;
 
@@ -699,10 +697,10 @@ fn random_configs_validate_or_run() {
 /// leaves 1e-7 differences).
 #[test]
 fn hugging_face_moe_layers_match_transformers() {
-    use common::read_f64;
     use ffn_model::HfModel;
+    use ffn_test_support::read_f64;
     for name in ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"] {
-        let folder = common::data_file(&format!("hf/{name}"));
+        let folder = ffn_test_support::data_file(&format!("hf/{name}"));
         let mut model = HfModel::open(&folder).unwrap();
         let bytes = std::fs::read(folder.join("moe_io.safetensors")).unwrap();
         let golden = safetensors::SafeTensors::deserialize(&bytes).unwrap();
@@ -750,7 +748,7 @@ type Named = (String, Vec<usize>, Vec<f32>);
 #[test]
 fn broken_moe_checkpoints_are_typed_errors() {
     use ffn_model::{Error, HfModel};
-    let source = common::data_file("hf/mixtral");
+    let source = ffn_test_support::data_file("hf/mixtral");
     let config = std::fs::read_to_string(source.join("config.json")).unwrap();
     let weights = std::fs::read(source.join("model.safetensors")).unwrap();
     let file = safetensors::SafeTensors::deserialize(&weights).unwrap();
@@ -785,7 +783,7 @@ fn broken_moe_checkpoints_are_typed_errors() {
         safetensors::serialize(views, None).unwrap()
     };
     let load = |config: &str, weights: &[u8]| {
-        let dir = common::scratch("moe-broken");
+        let dir = ffn_test_support::scratch("moe-broken");
         std::fs::write(dir.join("config.json"), config).unwrap();
         std::fs::write(dir.join("model.safetensors"), weights).unwrap();
         let result = HfModel::open(&*dir).and_then(|mut m| m.load_moe_layer(1, &Device::flex()));
@@ -842,14 +840,14 @@ fn broken_moe_checkpoints_are_typed_errors() {
         );
     }
     // A dense layer asked for as sparse, and a dense model asked for its MoE config.
-    let deepseek = common::data_file("hf/deepseek_v3");
+    let deepseek = ffn_test_support::data_file("hf/deepseek_v3");
     let mut model = HfModel::open(&deepseek).unwrap();
     assert!(matches!(
         model.load_moe_layer(0, &Device::flex()),
         Err(Error::MissingTensor { .. })
     ));
     assert!(model.load_layer(0, &Device::flex()).is_ok());
-    let llama = HfModel::open(common::data_file("hf/llama")).unwrap();
+    let llama = HfModel::open(ffn_test_support::data_file("hf/llama")).unwrap();
     assert!(matches!(llama.moe_config(), Err(Error::HfConfig { .. })));
 }
 
@@ -865,7 +863,7 @@ fn moe_layers_save_back_to_their_checkpoint_names() {
         ("qwen3_moe", "mlp"),
         ("deepseek_v3", "mlp"),
     ] {
-        let folder = common::data_file(&format!("hf/{name}"));
+        let folder = ffn_test_support::data_file(&format!("hf/{name}"));
         let moe = HfModel::open(&folder)
             .unwrap()
             .load_moe_layer(1, &Device::flex())

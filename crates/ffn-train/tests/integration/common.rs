@@ -1,15 +1,11 @@
-//! Helpers shared by the integration tests.
-#![allow(dead_code)]
+//! What the CLI tests share: tiny run configs, running the binary, reading a run folder.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 use burn::tensor::Device;
 
-#[path = "../../../ffn-model/tests/common/plain.rs"]
-mod plain;
-#[allow(unused_imports)] // each test binary uses some of them
-pub use plain::{Rng, Scratch, property, scratch};
+pub use ffn_test_support::{Rng, property, scratch};
 
 /// The `[train]` table of the tiny runs: 60 steps, evaluated and checkpointed every 10.
 macro_rules! tiny_schedule {

@@ -1,13 +1,11 @@
 //! `ffn-train sweep` end to end: every output file of a tiny grid, its statistics recomputed
 //! from its own results, a sweep stopped half-way and continued, and the configs it refuses.
 
-mod common;
-
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{assert_error, ffn_train, scratch, stderr, stdout};
+use crate::common::{assert_error, ffn_train, scratch, stderr, stdout};
 use serde_json::Value;
 
 /// A language task: a 1-layer transformer on a small Markov chain (no dropout: a sweep's runs

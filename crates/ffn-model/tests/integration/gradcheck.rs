@@ -7,12 +7,10 @@
 //! `O(u·L/ε)`. With ε = 1e-6 both are far below the tolerance of 1e-6 (relative), while a wrong
 //! derivative (a missing factor, a dropped term) is off by order one.
 
-mod common;
-
 use burn::module::Module;
 use burn::tensor::{DType, Tensor, TensorData};
-use common::{Cast, Perturb, Rng, device, strip_metadata};
 use ffn_model::{Activation, FeedForward, FeedForwardConfig, Memory};
+use ffn_test_support::{Cast, Perturb, Rng, device, strip_metadata};
 
 const EPS: f64 = 1e-6;
 const TOLERANCE: f64 = 1e-6;
@@ -44,7 +42,7 @@ fn scaled(data: &TensorData, factor: f64) -> TensorData {
 fn check(config: &FeedForwardConfig, rng: &mut Rng) -> f64 {
     let device = device();
     // The weights come from the device's stream: seeded, so that a run is reproducible.
-    device.seed(rng.next());
+    device.seed(rng.next_u64());
     let ffn = config.init(&device).map(&mut Cast(DType::F64));
     let x_data = rng.data(&[2, 3, config.d_model]);
     let x = Tensor::<3>::from_data(x_data.clone(), (&device, DType::F64)).require_grad();

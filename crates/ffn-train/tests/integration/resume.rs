@@ -1,9 +1,7 @@
 //! Resuming a run continues it exactly: the rest of its loss curve equals the uninterrupted
 //! run's, value for value, on CPU.
 
-mod common;
-
-use common::{TINY_LM, TINY_TEACHER, copy_tree, device, losses, scratch, serial};
+use crate::common::{TINY_LM, TINY_TEACHER, copy_tree, device, losses, scratch, serial};
 use ffn_train::metrics::Progress;
 use ffn_train::{TrainConfig, Trainer};
 

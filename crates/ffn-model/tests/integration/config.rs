@@ -1,7 +1,5 @@
 //! The config: serde round trips, every validation error, presets, activation names.
 
-mod common;
-
 use burn::config::Config;
 use burn::nn::Initializer;
 use ffn_model::{Activation, ConfigError, DropoutAt, FeedForwardConfig, Precision, Variant};
@@ -49,7 +47,7 @@ fn toml_and_json_round_trip() {
 
 #[test]
 fn burn_config_trait_saves_and_loads_json() {
-    let dir = common::scratch("config-burn");
+    let dir = ffn_test_support::scratch("config-burn");
     let path = dir.join("ffn.json");
     let config = every_field_set();
     config.save(&path).unwrap();

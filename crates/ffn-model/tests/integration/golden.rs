@@ -20,14 +20,12 @@
 //!   roundings that ffn does not make, and a bias gradient's sum over rows cancels some of its
 //!   terms: the tolerance is `8u = 2⁻⁵` of the tensor's scale (the largest seen: 2.4e-2).
 
-mod common;
-
 use std::collections::BTreeMap;
 
 use burn::module::Module;
 use burn::tensor::{DType, Tensor, TensorData};
-use common::{Cast, data_file, device, read_f64, scaled_error};
 use ffn_model::{Activation, FeedForward, FeedForwardConfig, Memory, Precision};
+use ffn_test_support::{Cast, data_file, device, read_f64, scaled_error};
 use safetensors::SafeTensors;
 
 const F32_TOLERANCE: f64 = 1e-5;

@@ -1,9 +1,7 @@
 //! The tasks reach their known optimum: teacher-student regression to within 1.2 σ², every
 //! variant learns, the FFN-only language model nears the Markov entropy.
 
-mod common;
-
-use common::{device, scratch, serial};
+use crate::common::{device, scratch, serial};
 use ffn_model::Variant;
 use ffn_train::metrics::{Progress, RunSummary};
 use ffn_train::{TrainConfig, Trainer};

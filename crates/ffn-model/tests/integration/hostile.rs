@@ -5,13 +5,11 @@
 //! `FFN_FUZZ_CASES=N` sets the cases per property (default 2500, CI's count); each property
 //! also stops after `FFN_FUZZ_SECONDS` (default 60).
 
-mod common;
-
 use std::path::Path;
 
-use common::{Rng, Scratch, data_file, device, property, scratch};
 use ffn_model::inspect;
 use ffn_model::{Error, FeedForward, FeedForwardConfig, HfModel};
+use ffn_test_support::{Rng, Scratch, data_file, device, property, scratch};
 
 /// A safetensors file from a header (as JSON text) and a data section.
 fn file(header: &str, data: &[u8]) -> Vec<u8> {
@@ -264,7 +262,7 @@ fn mutate(rng: &mut Rng, bytes: &[u8]) -> Vec<u8> {
         _ => {
             // Random bytes appended or spliced into the data.
             let at = 8 + header_len + rng.below(out.len() - 8 - header_len + 1);
-            let extra: Vec<u8> = (0..1 + rng.below(16)).map(|_| rng.next() as u8).collect();
+            let extra: Vec<u8> = (0..1 + rng.below(16)).map(|_| rng.next_u64() as u8).collect();
             out.splice(at..at, extra);
         }
     }

@@ -2,8 +2,8 @@
 //! (the device's, or a scope's of `ffn_model::dropout::with_seed`), `forward` (the op, the mask
 //! an input of it) and `forward_composed` give the same outputs and gradients.
 //!
-//! One test in its own process: burn's random stream is process-wide, and another test drawing
-//! between the seed and the draw would change the masks.
+//! The test runs in a process of its own (`ffn_test_support::alone`): burn's random stream is
+//! process-wide, and another test drawing between the seed and the draw would change the masks.
 
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::tensor::{Device, Distribution, Gradients, Tensor};
@@ -53,6 +53,14 @@ fn largest_difference(a: &[Tensor<2>], b: &[Tensor<2>]) -> f32 {
 
 #[test]
 fn the_op_draws_the_composed_paths_dropout_masks() {
+    ffn_test_support::alone(
+        module_path!(),
+        "the_op_draws_the_composed_paths_dropout_masks",
+        the_masks_agree,
+    );
+}
+
+fn the_masks_agree() {
     let device = Device::flex().autodiff();
     for (activation, gated, fused) in [
         (Activation::Relu, false, false),

@@ -1,14 +1,12 @@
 //! Saving and loading: burn records and safetensors files, round trips on rank-3 inputs, the
 //! activation surviving both, PyTorch layout, and a typed error for every bad file.
 
-mod common;
-
 use std::fs;
 
 use burn::module::Module;
 use burn::tensor::{Device, Tensor, TensorData};
-use common::{device, scratch, strip_metadata};
 use ffn_model::{Activation, Error, FeedForward, FeedForwardConfig, Variant};
+use ffn_test_support::{device, scratch, strip_metadata};
 use safetensors::{Dtype, SafeTensors, tensor::TensorView};
 
 fn biased(variant: Variant) -> FeedForwardConfig {

@@ -1,5 +1,9 @@
-//! Helpers shared by the integration tests.
-#![allow(dead_code)]
+//! What the integration tests of every crate in the workspace share: the oracle's files (golden
+//! outputs and gradients written by PyTorch, tiny checkpoints written by `transformers`, in
+//! `data/`), comparisons against them, module mappers for casts and finite differences, a seeded
+//! random stream with property tests, and scratch folders.
+//!
+//! A `publish = false` crate: no test includes another crate's files by path.
 
 use std::path::PathBuf;
 
@@ -7,19 +11,25 @@ use burn::module::{ModuleMapper, Param};
 use burn::tensor::{DType, Device, Tensor, TensorData};
 use safetensors::SafeTensors;
 
-mod plain;
-#[allow(unused_imports)] // each test binary uses some of them
-pub use plain::{Rng, Scratch, property, scratch};
+mod process;
+mod random;
+mod scratch;
+
+pub use process::alone;
+pub use random::{Rng, property};
+pub use scratch::{Scratch, scratch};
 
 /// The CPU device the tests run on, with autodiff.
 pub fn device() -> Device {
     Device::flex().autodiff()
 }
 
-/// A file of `tests/data`.
+/// A file of the oracle's folder, `crates/ffn-test-support/data`: `golden_*.safetensors` from
+/// `tools/golden.py` and `tools/golden_train_ops.py`, and `hf/<model>/` from
+/// `tools/hf_fixtures.py` and `tools/moe_fixtures.py`.
 pub fn data_file(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/data")
+        .join("data")
         .join(name)
 }
 
@@ -66,8 +76,11 @@ impl ModuleMapper for Cast {
 /// Adds `delta` (f64, any shape with the parameter's number of values) to the parameter at
 /// `target`, a record path such as `gate.weight` or `router.weight`: finite differences.
 pub struct Perturb {
+    /// The path of the module being visited (start empty).
     pub path: Vec<String>,
+    /// The record path of the parameter to change.
     pub target: String,
+    /// What to add to it.
     pub delta: TensorData,
 }
 

@@ -1,9 +1,5 @@
-//! Test helpers that need only `std`, shared by the test trees of `ffn-model` and `ffn-train`
-//! (the latter includes this file by path): a seeded random stream, seeded property tests, and
-//! scratch folders that clean up after themselves.
+//! A seeded random stream without a dependency, and seeded property tests on it.
 
-use std::ops::Deref;
-use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 /// xorshift64*: a reproducible stream without a dependency (gradient checks, property tests).
@@ -11,7 +7,7 @@ pub struct Rng(pub u64);
 
 impl Rng {
     /// The next 64 random bits.
-    pub fn next(&mut self) -> u64 {
+    pub fn next_u64(&mut self) -> u64 {
         self.0 ^= self.0 >> 12;
         self.0 ^= self.0 << 25;
         self.0 ^= self.0 >> 27;
@@ -20,12 +16,12 @@ impl Rng {
 
     /// Uniform in `0..n` (0 when `n` is 0).
     pub fn below(&mut self, n: usize) -> usize {
-        (self.next() % n.max(1) as u64) as usize
+        (self.next_u64() % n.max(1) as u64) as usize
     }
 
     /// Uniform in `[0, 1)`.
     pub fn uniform(&mut self) -> f64 {
-        (self.next() >> 11) as f64 / (1u64 << 53) as f64
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
     }
 
     /// Standard normal (Box–Muller).
@@ -70,40 +66,4 @@ pub fn property(
     eprintln!("{name}: {done} cases in {:.1?}", start.elapsed());
     assert!(done >= cases.min(50), "{name}: only {done} cases ran");
     done
-}
-
-/// A fresh, empty folder for one test, removed when dropped, unless the test is failing (then
-/// it is kept, and named on stderr, to be looked at).
-pub struct Scratch(PathBuf);
-
-/// A scratch folder named after the process and `name`.
-pub fn scratch(name: &str) -> Scratch {
-    let dir = std::env::temp_dir().join(format!("ffn-test-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    Scratch(dir)
-}
-
-impl Deref for Scratch {
-    type Target = Path;
-
-    fn deref(&self) -> &Path {
-        &self.0
-    }
-}
-
-impl AsRef<Path> for Scratch {
-    fn as_ref(&self) -> &Path {
-        &self.0
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        if std::thread::panicking() {
-            eprintln!("kept for inspection: {}", self.0.display());
-        } else {
-            let _ = std::fs::remove_dir_all(&self.0);
-        }
-    }
 }

@@ -1,12 +1,10 @@
 //! The fused `[W_gate | W_up]` projection: the same function, parameters and files as the
 //! unfused network, with its own errors.
 
-mod common;
-
 use burn::module::Module;
 use burn::tensor::{Distribution, Tensor, TensorData};
-use common::{device, scaled_error};
 use ffn_model::{ConfigError, FeedForward, FeedForwardConfig, Scheme, Variant};
+use ffn_test_support::{device, scaled_error};
 
 const TOLERANCE: f64 = 1e-5;
 
@@ -135,7 +133,7 @@ fn fused_modules_round_trip_through_burn_records() {
     let device = device();
     let config = FeedForwardConfig::preset(Variant::SwiGlu, 12).with_fused_gate_up(true);
     let ffn = config.init(&device);
-    let dir = common::scratch("fused");
+    let dir = ffn_test_support::scratch("fused");
     let path = dir.join("model");
     ffn.clone().save_file(&path).unwrap();
     let loaded = config.init(&device).load_file(&path);

@@ -4,9 +4,9 @@
 //! composed from burn's ops and differentiated by autodiff on Flex does.
 //!
 //! ```text
-//! cargo test --test parity                             # Flex only (the default build)
-//! cargo test --test parity --features ndarray,wgpu     # what CI runs (wgpu on Mesa lavapipe)
-//! cargo test --test parity --features cuda             # on an NVIDIA GPU (.ci/setup --cuda)
+//! cargo test -p ffn --test integration parity                          # Flex only (the default build)
+//! cargo test -p ffn --test integration parity --features ndarray,wgpu  # what CI runs (wgpu on Mesa lavapipe)
+//! cargo test -p ffn --test integration parity --features cuda          # on an NVIDIA GPU (.ci/setup --cuda)
 //! ```
 //!
 //! Tolerances, on the largest error relative to the tensor's scale: 1e-5 on the CPU backends
@@ -17,16 +17,13 @@
 //! NdArray and wgpu (3e-4 off); `Activation::Gelu` is now written out from `erf`.
 
 // ffn-model's test helpers (`Cast`: every float parameter to a dtype, keeping ids).
-#[path = "../crates/ffn-model/tests/common/mod.rs"]
-mod common;
-
 use std::collections::BTreeMap;
 
 use burn::module::Module;
 use burn::tensor::{DType, Device, Distribution, Tensor, TensorData};
-use common::Cast;
 use ffn::model::Memory;
 use ffn::{FeedForward, FeedForwardConfig, Variant};
+use ffn_test_support::Cast;
 
 const D_MODEL: usize = 16;
 

@@ -2,14 +2,12 @@
 //! ends in one `error:` line and status 1 without touching the disk, and run folders survive
 //! concurrent processes, corrupt checkpoints, signals and edited files.
 
-mod common;
-
 use std::fs;
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{Rng, assert_error, ffn_train, scratch, stderr, stdout, tiny};
+use crate::common::{Rng, assert_error, ffn_train, scratch, stderr, stdout, tiny};
 
 /// Waits until `done()` holds, failing after a minute.
 fn wait_for(what: &str, mut done: impl FnMut() -> bool) {

@@ -1,13 +1,11 @@
 //! The `ffn-train` binary end to end: a run and its folder, evaluation, sampling, resume after
 //! `kill -9`, and one clear line for every error.
 
-mod common;
-
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{
+use crate::common::{
     assert_error, assert_error_status, assert_quiet_success, ffn_train, losses, scratch, snapshot,
     stderr, stdout, tiny,
 };
@@ -360,7 +358,7 @@ fn text_files_train_byte_and_char_level() {
 #[test]
 fn inspect_shows_tensors_schemes_and_configs() {
     let dir = scratch("cli-inspect");
-    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("../ffn-model/tests/data/hf");
+    let fixtures = ffn_test_support::data_file("hf");
     let out = ffn_train(
         &["inspect", fixtures.join("llama-sharded").to_str().unwrap()],
         &dir,
@@ -544,7 +542,7 @@ fn the_f32_kernel_follows_the_cpu_not_openblas_coretype() {
         runs.set(runs.get() + 1);
         let run = format!("run{}", runs.get());
         let args = ["train", "--config", config, "--run", &run, "--steps", "2"];
-        let out = common::ffn_train_with(&args, &dir, vars);
+        let out = crate::common::ffn_train_with(&args, &dir, vars);
         assert_quiet_success(&out);
         let text = stdout(&out);
         let line = text

@@ -11,8 +11,7 @@ use ffn_train::ops::loss::cross_entropy;
 use safetensors::SafeTensors;
 
 fn golden() -> Vec<u8> {
-    let path =
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/golden_ops.safetensors");
+    let path = ffn_test_support::data_file("golden_ops.safetensors");
     std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
