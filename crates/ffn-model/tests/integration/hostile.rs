@@ -262,7 +262,9 @@ fn mutate(rng: &mut Rng, bytes: &[u8]) -> Vec<u8> {
         _ => {
             // Random bytes appended or spliced into the data.
             let at = 8 + header_len + rng.below(out.len() - 8 - header_len + 1);
-            let extra: Vec<u8> = (0..1 + rng.below(16)).map(|_| rng.next_u64() as u8).collect();
+            let extra: Vec<u8> = (0..1 + rng.below(16))
+                .map(|_| rng.next_u64() as u8)
+                .collect();
             out.splice(at..at, extra);
         }
     }
