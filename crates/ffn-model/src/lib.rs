@@ -55,6 +55,8 @@ pub mod inspect;
 // burn-ndarray is deprecated upstream; it is still a backend the ops support.
 #[allow(deprecated)]
 mod linear;
+#[cfg(feature = "flex")]
+mod loops;
 mod model;
 #[allow(deprecated)]
 mod moe;
@@ -90,7 +92,7 @@ pub(crate) fn normal_name(name: &str) -> String {
 #[cfg(feature = "flex")]
 #[doc(hidden)]
 pub mod math {
-    pub use crate::cpu::exp;
+    pub use crate::loops::exp;
 }
 
 /// Tells the C allocator to keep freed memory for reuse instead of returning it to the operating

@@ -144,7 +144,7 @@ impl FeedForward {
     ///
     /// Dropout is active only on an autodiff device while the module is in training mode.
     ///
-    /// On a backend this build has the FFN op for (`op.rs`; the crate's backend features), the
+    /// On a backend this build has the FFN op for (`op/`; the crate's backend features), the
     /// network runs as that one operation with its own backward pass (hidden-layer dropout
     /// included: its mask is an input of the op); elsewhere as
     /// [`forward_composed`](Self::forward_composed). Both compute the same function and

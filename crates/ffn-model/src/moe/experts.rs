@@ -8,7 +8,7 @@
 //! Y_e = FFN_e(X_e) = φ(X_e W_up[e]) W_down[e]          (gated: (φ(X_e W_gate[e]) ⊙ X_e W_up[e]) W_down[e])
 //! ```
 //!
-//! forward and backward through the FFN op (`op.rs`) on views of the stacked weights: the
+//! forward and backward through the FFN op (`op/`) on views of the stacked weights: the
 //! same matrix products and element-wise passes, at the same GEMM speed, one group at a time
 //! (a grouped GEMM). The backward pass writes each expert's weight gradient into its slot of
 //! the stacked gradient (an expert without tokens gets zeros), so no per-expert slice of a
@@ -34,9 +34,10 @@ use burn::backend::tensor::FloatTensor;
 use burn::backend::{Backend, Slice, TensorMetadata, backend_extension};
 use burn::tensor::{DType, Tensor};
 
+use crate::op::backward::{Need, Present, backward_pass, untrack};
 use crate::op::{
-    Kernels, Maybe, Need, Present, Spec, Weights, backward_pass, inference, operand, project_in,
-    project_out_chunked, rounds_bf16, straight_through_bf16, untrack,
+    Kernels, Maybe, Spec, Weights, inference, operand, project_in, project_out_chunked,
+    rounds_bf16, straight_through_bf16,
 };
 
 /// Rows per expert: expert `e`'s rows follow those of experts `0..e`.
@@ -281,7 +282,7 @@ impl<B: Kernels, const N: usize> Backward<B, N> for ExpertsBackward {
                 _ => None,
             };
         let dx = need.x.then(|| join::<B>(dx_parts, &x, &w, dtype));
-        crate::op::InputGrads::<B> {
+        crate::op::backward::InputGrads::<B> {
             x: dx,
             w_gate: stacked(dw_gate, &w.w_gate, need.w_gate),
             w_up: stacked(dw_up, &Some(w.w_up.clone()), need.w_up),

@@ -30,22 +30,22 @@
 //!
 //! Each backend gets the op through burn's backend extensions. The matrix products and the two
 //! element-wise passes are the [`Kernels`] of a backend: burn's own ops by default, a tuned
-//! SGEMM and vectorised element-wise loops on Flex (`cpu.rs`).
+//! SGEMM and vectorised element-wise loops on Flex (`cpu.rs`, `loops.rs`).
 
 use std::ops::Range;
 
-use burn::backend::autodiff::Autodiff;
-use burn::backend::autodiff::NodeId;
-use burn::backend::autodiff::checkpoint::base::Checkpointer;
-use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
-use burn::backend::autodiff::grads::Gradients;
-use burn::backend::autodiff::ops::{Backward, NodeGuard, Ops, OpsKind};
 use burn::backend::tensor::FloatTensor;
-use burn::backend::{Backend, DType, ExtensionType, Slice, TensorMetadata, backend_extension};
+use burn::backend::{Backend, DType, ExtensionType, TensorMetadata, backend_extension};
 use burn::tensor::FloatDType;
 use serde::{Deserialize, Serialize};
 
 use crate::Activation;
+
+pub(crate) mod backward;
+pub(crate) mod hidden;
+
+pub use hidden::Pre;
+use hidden::rows_of;
 
 /// What the FFN's backward pass keeps from the forward pass.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -118,17 +118,6 @@ impl<B: Backend> Maybe<B> {
     }
 }
 
-/// The pre-activations (and, with the same shapes, their gradients).
-#[derive(Debug, Clone)]
-pub enum Pre<B: Backend> {
-    /// `a = x W_up + b_up` of an ungated network, `[T, d_ff]`.
-    Plain(FloatTensor<B>),
-    /// `g` and `u` of a gated network, each `[T, d_ff]`.
-    Gated(FloatTensor<B>, FloatTensor<B>),
-    /// `[g | u]` of a fused gated network, `[T, 2·d_ff]`.
-    Fused(FloatTensor<B>),
-}
-
 /// The FFN op. Call it through [`feed_forward`](crate::op::feed_forward).
 #[backend_extension(
     Flex: cfg(feature = "flex"),
@@ -176,7 +165,7 @@ pub trait Kernels: Backend {
 
     /// `h = φ(a)` or `h = φ(g) ⊙ u`.
     fn ffn_hidden(pre: &Pre<Self>, activation: Activation) -> FloatTensor<Self> {
-        composed::hidden::<Self>(pre, activation)
+        hidden::hidden::<Self>(pre, activation)
     }
 
     /// Runs `work(i)` for `i` in `0..n`, pieces of work independent of each other (the
@@ -192,7 +181,7 @@ pub trait Kernels: Backend {
         pre: &Pre<Self>,
         activation: Activation,
     ) -> Pre<Self> {
-        composed::hidden_backward::<Self>(dh, pre, activation)
+        hidden::hidden_backward::<Self>(dh, pre, activation)
     }
 
     /// `h = φ(a)` or `φ(g) ⊙ u` as a product's operand in `precision`: by default
@@ -362,18 +351,8 @@ pub(crate) fn t<B: Backend>(m: FloatTensor<B>) -> FloatTensor<B> {
     B::float_transpose(m)
 }
 
-/// Rows `r` of a `[T, n]` tensor (a view on the CPU backends).
-fn rows_of<B: Backend>(m: &FloatTensor<B>, r: &Range<usize>) -> FloatTensor<B> {
-    let n = m.shape()[1];
-    let slices = [
-        Slice::new(r.start as isize, Some(r.end as isize), 1),
-        Slice::new(0, Some(n as isize), 1),
-    ];
-    B::float_slice(m.clone(), &slices)
-}
-
 /// Dropout on the hidden layer: `h ⊙ mask` (rows `r` of the mask when `h` is a chunk).
-fn masked<B: Backend>(
+pub(crate) fn masked<B: Backend>(
     h: FloatTensor<B>,
     mask: &Option<FloatTensor<B>>,
     r: Option<&Range<usize>>,
@@ -382,26 +361,6 @@ fn masked<B: Backend>(
         (None, _) => h,
         (Some(m), None) => B::float_mul(h, m.clone()),
         (Some(m), Some(r)) => B::float_mul(h, rows_of::<B>(m, r)),
-    }
-}
-
-impl<B: Backend> Pre<B> {
-    fn rows(&self, r: &Range<usize>) -> Self {
-        match self {
-            Pre::Plain(a) => Pre::Plain(rows_of::<B>(a, r)),
-            Pre::Gated(g, u) => Pre::Gated(rows_of::<B>(g, r), rows_of::<B>(u, r)),
-            Pre::Fused(gu) => Pre::Fused(rows_of::<B>(gu, r)),
-        }
-    }
-
-    /// Rows and total width (`d_ff`, or `2·d_ff` gated).
-    fn dims(&self) -> (usize, usize) {
-        let [rows, width] = match self {
-            Pre::Plain(a) | Pre::Gated(a, _) => a.shape().dims::<2>(),
-            Pre::Fused(gu) => gu.shape().dims::<2>(),
-        };
-        let gated = matches!(self, Pre::Gated(..));
-        (rows, if gated { 2 * width } else { width })
     }
 }
 
@@ -459,7 +418,7 @@ pub(crate) fn project_out_chunked<B: Kernels>(
 }
 
 /// `h = φ(pre) ⊙ mask` (rows `r` of the mask when `pre` is a chunk) as a product's operand.
-fn hidden_operand<B: Kernels>(
+pub(crate) fn hidden_operand<B: Kernels>(
     pre: &Pre<B>,
     mask: &Option<FloatTensor<B>>,
     r: Option<&Range<usize>>,
@@ -475,7 +434,7 @@ fn hidden_operand<B: Kernels>(
 }
 
 /// `acc + t`, or `t` for the first term.
-fn accumulate<B: Backend>(acc: &mut Option<FloatTensor<B>>, t: FloatTensor<B>) {
+pub(crate) fn accumulate<B: Backend>(acc: &mut Option<FloatTensor<B>>, t: FloatTensor<B>) {
     *acc = Some(match acc.take() {
         Some(sum) => B::float_add(sum, t),
         None => t,
@@ -544,516 +503,6 @@ inference_impl!(burn::backend::Flex);
 inference_impl!(burn::backend::NdArray);
 #[cfg(feature = "cube")]
 inference_impl!(burn::backend::Cube);
-
-/// The parents of the op's node, in order: `x`, then the weights and biases that are present.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Present {
-    w_gate: bool,
-    b_gate: bool,
-    b_up: bool,
-    b_down: bool,
-}
-
-/// The parent nodes of an op that takes `x` and [`Weights`], by input:
-/// `[x, w_gate, w_up, w_down, b_gate, b_up, b_down]`, `None` where an input is absent or needs
-/// no gradient.
-pub(crate) type Parents = [Option<NodeId>; 7];
-
-impl Present {
-    /// The op's parents by input, from the `N` nodes in the order [`untrack`] listed them.
-    pub(crate) fn parents<T, const N: usize>(self, nodes: [Option<T>; N]) -> [Option<T>; 7] {
-        let mut nodes = nodes.into_iter();
-        let mut next = |is_present: bool| {
-            if is_present {
-                nodes.next().flatten()
-            } else {
-                None
-            }
-        };
-        [
-            next(true),
-            next(self.w_gate),
-            next(true),
-            next(true),
-            next(self.b_gate),
-            next(self.b_up),
-            next(self.b_down),
-        ]
-    }
-}
-
-impl Need {
-    /// The inputs whose parent node exists.
-    pub(crate) fn of(parents: &Parents) -> Self {
-        let [x, w_gate, w_up, w_down, b_gate, b_up, b_down] =
-            parents.each_ref().map(Option::is_some);
-        Self {
-            x,
-            w_gate,
-            w_up,
-            w_down,
-            b_gate,
-            b_up,
-            b_down,
-        }
-    }
-}
-
-impl<B: Backend> InputGrads<B> {
-    /// Registers each gradient with its parent.
-    pub(crate) fn register(self, parents: Parents, grads: &mut Gradients) {
-        let all = [
-            self.x,
-            self.w_gate,
-            self.w_up,
-            self.w_down,
-            self.b_gate,
-            self.b_up,
-            self.b_down,
-        ];
-        for (node, grad) in parents.into_iter().zip(all) {
-            if let (Some(id), Some(grad)) = (node, grad) {
-                grads.register::<B>(id, grad);
-            }
-        }
-    }
-}
-
-/// Splits the autodiff inputs of an op on `x` and [`Weights`] into their primitives (a
-/// `mask` is a constant: its primitive only) and the nodes of those present, in the order
-/// `x, w_gate, w_up, w_down, b_gate, b_up, b_down`.
-#[allow(clippy::type_complexity)]
-pub(crate) fn untrack<B: Backend, C: CheckpointStrategy>(
-    x: FloatTensor<Autodiff<B, C>>,
-    w: Weights<Autodiff<B, C>>,
-) -> (FloatTensor<B>, Weights<B>, Vec<NodeGuard>, Present) {
-    let present = Present {
-        w_gate: w.w_gate.is_some(),
-        b_gate: w.b_gate.is_some(),
-        b_up: w.b_up.is_some(),
-        b_down: w.b_down.is_some(),
-    };
-    let mut nodes = Vec::with_capacity(7);
-    let mut inner = |t: FloatTensor<Autodiff<B, C>>| {
-        let (primitive, node) = t.into_parts();
-        nodes.push(node);
-        primitive
-    };
-    let x = inner(x);
-    let w_gate = w.w_gate.map(&mut inner);
-    let w_up = inner(w.w_up);
-    let w_down = inner(w.w_down);
-    let b_gate = w.b_gate.map(&mut inner);
-    let b_up = w.b_up.map(&mut inner);
-    let b_down = w.b_down.map(&mut inner);
-    let mask = w.mask.map(|m| m.into_parts().0);
-    let w = Weights {
-        w_gate,
-        w_up,
-        w_down,
-        b_gate,
-        b_up,
-        b_down,
-        mask,
-    };
-    (x, w, nodes, present)
-}
-
-/// The backward step; `N` is the number of parents (3 to 7).
-#[derive(Debug)]
-struct FeedForwardBackward;
-
-/// What the backward pass keeps.
-#[derive(Debug, Clone)]
-struct Saved<B: Backend> {
-    x: FloatTensor<B>,
-    weights: Weights<B>,
-    pre: Pre<B>,
-    /// `h` (after dropout), unless it is recomputed ([`Memory::Recompute`]).
-    h: Option<FloatTensor<B>>,
-    spec: Spec,
-    present: Present,
-}
-
-impl<B: Kernels, const N: usize> Backward<B, N> for FeedForwardBackward {
-    type State = Saved<B>;
-
-    fn backward(self, ops: Ops<Self::State, N>, grads: &mut Gradients, _: &mut Checkpointer) {
-        let Saved {
-            x,
-            weights: w,
-            pre,
-            h,
-            spec,
-            present,
-        } = ops.state;
-        let dy = grads.consume::<B>(&ops.node);
-        let parents = present.parents(ops.parents).map(|n| n.map(|n| n.id));
-        #[cfg(test)]
-        let spec = tests::maybe_break(spec);
-        backward_pass::<B>(&x, dy, &w, pre, h, spec, Need::of(&parents)).register(parents, grads);
-    }
-}
-
-/// Which inputs of the op need a gradient.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Need {
-    pub x: bool,
-    pub w_gate: bool,
-    pub w_up: bool,
-    pub w_down: bool,
-    pub b_gate: bool,
-    pub b_up: bool,
-    pub b_down: bool,
-}
-
-/// The gradients of the op's inputs (those asked for).
-#[derive(Debug)]
-pub(crate) struct InputGrads<B: Backend> {
-    pub x: Option<FloatTensor<B>>,
-    pub w_gate: Option<FloatTensor<B>>,
-    pub w_up: Option<FloatTensor<B>>,
-    pub w_down: Option<FloatTensor<B>>,
-    pub b_gate: Option<FloatTensor<B>>,
-    pub b_up: Option<FloatTensor<B>>,
-    pub b_down: Option<FloatTensor<B>>,
-}
-
-/// The backward pass of `y = FFN(x)` given `dy = ∂L/∂y`, from what the forward pass kept
-/// (`pre`, and `h` unless it is recomputed).
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn backward_pass<B: Kernels>(
-    x: &FloatTensor<B>,
-    dy: FloatTensor<B>,
-    w: &Weights<B>,
-    pre: Pre<B>,
-    h: Option<FloatTensor<B>>,
-    spec: Spec,
-    need: Need,
-) -> InputGrads<B> {
-    // db_down = Σ_T dy (in f32; the products take dy rounded, in bf16).
-    let db_down = need.b_down.then(|| bias_grad::<B>(dy.clone()));
-    let dy = operand::<B>(dy, spec.precision);
-
-    // The rest row chunk by row chunk (one chunk, the whole batch, unless recomputing):
-    // dW_down = hᵀ dy,  dh = dy W_downᵀ (⊙ the dropout mask, with h = φ(·) ⊙ mask, when
-    // there is one), then through φ (and the gating product) to the
-    // pre-activations, then dW = xᵀ d(pre), db = Σ_T d(pre), dx = Σ d(pre) Wᵀ over the
-    // projections; the weight gradients are summed over chunks.
-    let ranges = chunks(&pre, spec.memory);
-    let whole = ranges.len() == 1;
-    let (mut pre, mut h) = (Some(pre), h);
-    let mut dw_down = None;
-    let [mut dw, mut db] = [[None, None], [None, None]];
-    let mut dx_parts = Vec::with_capacity(ranges.len());
-    for r in &ranges {
-        // The whole batch is moved, not viewed, so that it is freed as soon as it is used.
-        let pre_r = if whole {
-            pre.take().expect("one chunk")
-        } else {
-            pre.as_ref().expect("pre-activations").rows(r)
-        };
-        let (x_r, dy_r) = if whole {
-            (x.clone(), dy.clone())
-        } else {
-            (rows_of::<B>(x, r), rows_of::<B>(&dy, r))
-        };
-        if need.w_down {
-            let h_r = match h.take() {
-                Some(h) => h,
-                None => hidden_operand::<B>(&pre_r, &w.mask, (!whole).then_some(r), spec),
-            };
-            accumulate::<B>(&mut dw_down, B::ffn_matmul(t::<B>(h_r), dy_r.clone()));
-        }
-        let dh = B::ffn_matmul(dy_r, t::<B>(w.w_down.clone()));
-        let dh = masked::<B>(dh, &w.mask, (!whole).then_some(r));
-        // d(pre) as the products' operands, with the bias gradients Σ_T d(pre) summed from
-        // the unrounded values.
-        let (dpre, sums) = B::ffn_hidden_backward_operand(
-            dh,
-            &pre_r,
-            spec.activation,
-            spec.precision,
-            need.b_gate || need.b_up,
-        );
-        drop(pre_r);
-        let projections = match dpre {
-            Pre::Plain(da) | Pre::Fused(da) => vec![(da, 1)],
-            Pre::Gated(dg, du) => vec![(dg, 0), (du, 1)],
-        };
-        let width = |d: &FloatTensor<B>| d.shape()[1];
-        let mut dx_r: Option<FloatTensor<B>> = None;
-        for (d, p) in projections {
-            let (weight, need_w, need_b) = if p == 0 {
-                let w_gate = w.w_gate.as_ref().expect("a gated, unfused op has W_gate");
-                (w_gate, need.w_gate, need.b_gate)
-            } else {
-                (&w.w_up, need.w_up, need.b_up)
-            };
-            if need_b && let Some(sums) = &sums {
-                // Gated, unfused: [Σ dg | Σ du], this projection's half.
-                let (f, all) = (width(&d), sums.shape()[0]);
-                let start = if p == 1 { all - f } else { 0 };
-                let half = B::float_slice(
-                    sums.clone(),
-                    &[Slice::new(start as isize, Some((start + f) as isize), 1)],
-                );
-                accumulate::<B>(&mut db[p], half);
-            }
-            let d = operand::<B>(d, spec.precision);
-            if need_w {
-                accumulate::<B>(&mut dw[p], B::ffn_matmul(t::<B>(x_r.clone()), d.clone()));
-            }
-            if need.x {
-                accumulate::<B>(&mut dx_r, B::ffn_matmul(d, t::<B>(weight.clone())));
-            }
-        }
-        dx_parts.extend(dx_r);
-    }
-    let dx = need.x.then(|| {
-        if dx_parts.len() == 1 {
-            dx_parts.pop().expect("one part")
-        } else {
-            B::float_cat(dx_parts, 0)
-        }
-    });
-    let [dw_gate, dw_up] = dw;
-    let [db_gate, db_up] = db;
-    InputGrads {
-        x: dx,
-        w_gate: dw_gate,
-        w_up: dw_up,
-        w_down: dw_down,
-        b_gate: db_gate,
-        b_up: db_up,
-        b_down: db_down,
-    }
-}
-
-/// Registers the op with `N` parents and computes its forward pass.
-fn tracked<B: Kernels, C: CheckpointStrategy, const N: usize>(
-    nodes: Vec<NodeGuard>,
-    x: FloatTensor<B>,
-    w: Weights<B>,
-    spec: Spec,
-    present: Present,
-) -> FloatTensor<Autodiff<B, C>> {
-    let nodes: [NodeGuard; N] = nodes.try_into().expect("N parents");
-    match FeedForwardBackward
-        .prepare::<C>(nodes)
-        .compute_bound()
-        .stateful()
-    {
-        OpsKind::Tracked(prep) => {
-            // In bf16, x and the weights are kept rounded: what every product of both passes
-            // takes.
-            let (x, w) = (operand::<B>(x, spec.precision), w.operands(spec.precision));
-            let pre = project_in(&x, &w, spec);
-            let (y, h) = project_out_chunked(&pre, &w, spec);
-            let h = h.filter(|_| spec.memory == Memory::Save);
-            let saved = Saved {
-                x,
-                weights: w,
-                pre,
-                h,
-                spec,
-                present,
-            };
-            prep.finish(saved, y)
-        }
-        OpsKind::UnTracked(prep) => prep.finish(inference(x, w, spec)),
-    }
-}
-
-impl<B: Kernels, C: CheckpointStrategy> FfnOps for Autodiff<B, C> {
-    fn feed_forward(
-        x: FloatTensor<Self>,
-        w_gate: Maybe<Self>,
-        w_up: FloatTensor<Self>,
-        w_down: FloatTensor<Self>,
-        b_gate: Maybe<Self>,
-        b_up: Maybe<Self>,
-        b_down: Maybe<Self>,
-        mask: Maybe<Self>,
-        spec: Spec,
-    ) -> FloatTensor<Self> {
-        let w = Weights::new(w_gate, w_up, w_down, [b_gate, b_up, b_down], mask);
-        let (x, w, nodes, present) = untrack::<B, C>(x, w);
-        match nodes.len() {
-            3 => tracked::<B, C, 3>(nodes, x, w, spec, present),
-            4 => tracked::<B, C, 4>(nodes, x, w, spec, present),
-            5 => tracked::<B, C, 5>(nodes, x, w, spec, present),
-            6 => tracked::<B, C, 6>(nodes, x, w, spec, present),
-            7 => tracked::<B, C, 7>(nodes, x, w, spec, present),
-            n => unreachable!("the FFN op has 3 to 7 inputs, got {n}"),
-        }
-    }
-}
-
-/// The element-wise passes composed from burn's ops: every backend's default.
-pub mod composed {
-    use super::*;
-
-    use std::f64::consts::{FRAC_1_SQRT_2, FRAC_2_SQRT_PI};
-
-    /// `1/√(2π)`, the standard normal density at 0.
-    const FRAC_1_SQRT_2PI: f64 = FRAC_2_SQRT_PI * FRAC_1_SQRT_2 * 0.5;
-    /// `2 √(2/π)`: `2u = 2√(2/π) (x + 0.044715 x³)` in the tanh form of GELU.
-    const TWO_SQRT_2_OVER_PI: f64 = 2.0 * FRAC_2_SQRT_PI * FRAC_1_SQRT_2;
-    const GELU_CUBIC: f64 = 0.044715;
-
-    fn mul<B: Backend>(a: FloatTensor<B>, b: FloatTensor<B>) -> FloatTensor<B> {
-        B::float_mul(a, b)
-    }
-
-    fn scale<B: Backend>(a: FloatTensor<B>, s: f64) -> FloatTensor<B> {
-        B::float_mul_scalar(a, s.into())
-    }
-
-    fn shift<B: Backend>(a: FloatTensor<B>, s: f64) -> FloatTensor<B> {
-        B::float_add_scalar(a, s.into())
-    }
-
-    /// `1 - a`.
-    fn one_minus<B: Backend>(a: FloatTensor<B>) -> FloatTensor<B> {
-        shift::<B>(B::float_neg(a), 1.0)
-    }
-
-    /// `φ(a)` and `upstream ⊙ φ'(a)`.
-    pub(super) fn activate_and_backward<B: Backend>(
-        a: FloatTensor<B>,
-        upstream: Option<FloatTensor<B>>,
-        activation: Activation,
-    ) -> (FloatTensor<B>, Option<FloatTensor<B>>) {
-        let times = |d: FloatTensor<B>| upstream.clone().map(|up| mul::<B>(up, d));
-        match activation {
-            Activation::Relu => {
-                let r = B::relu(a);
-                let d = upstream.map(|up| B::relu_backward(r.clone(), up));
-                (r, d)
-            }
-            // GELU(a) = a Φ(a),  GELU'(a) = Φ(a) + a φ_N(a),  Φ(a) = ½ (1 + erf(a/√2))
-            Activation::Gelu => {
-                let cdf = scale::<B>(
-                    shift::<B>(B::float_erf(scale::<B>(a.clone(), FRAC_1_SQRT_2)), 1.0),
-                    0.5,
-                );
-                let phi = mul::<B>(a.clone(), cdf.clone());
-                let d = upstream.map(|up| {
-                    let a2 = mul::<B>(a.clone(), a.clone());
-                    let pdf = scale::<B>(B::float_exp(scale::<B>(a2, -0.5)), FRAC_1_SQRT_2PI);
-                    mul::<B>(up, B::float_add(cdf, mul::<B>(a.clone(), pdf)))
-                });
-                (phi, d)
-            }
-            // a σ(2u), 2u = k (a + c a³):  φ' = s + a s (1 - s) k (1 + 3 c a²),  s = σ(2u)
-            Activation::GeluTanh => {
-                let a2 = mul::<B>(a.clone(), a.clone());
-                let two_u = mul::<B>(
-                    shift::<B>(
-                        scale::<B>(a2.clone(), GELU_CUBIC * TWO_SQRT_2_OVER_PI),
-                        TWO_SQRT_2_OVER_PI,
-                    ),
-                    a.clone(),
-                );
-                let s = B::sigmoid(two_u);
-                let phi = mul::<B>(a.clone(), s.clone());
-                let d = upstream.map(|up| {
-                    let du = shift::<B>(
-                        scale::<B>(a2, 3.0 * GELU_CUBIC * TWO_SQRT_2_OVER_PI),
-                        TWO_SQRT_2_OVER_PI,
-                    );
-                    let ds = mul::<B>(mul::<B>(phi.clone(), one_minus::<B>(s.clone())), du);
-                    mul::<B>(up, B::float_add(s, ds))
-                });
-                (phi, d)
-            }
-            // SiLU(a) = a σ(a),  SiLU'(a) = σ(a) (1 + a (1 - σ(a)))
-            Activation::Silu => {
-                let s = B::sigmoid(a.clone());
-                let phi = mul::<B>(a.clone(), s.clone());
-                let d = upstream.map(|up| {
-                    let inner = shift::<B>(mul::<B>(a, one_minus::<B>(s.clone())), 1.0);
-                    mul::<B>(up, mul::<B>(s, inner))
-                });
-                (phi, d)
-            }
-            // σ'(a) = σ(a) (1 - σ(a))
-            Activation::Sigmoid => {
-                let s = B::sigmoid(a);
-                let d = times(mul::<B>(s.clone(), one_minus::<B>(s.clone())));
-                (s, d)
-            }
-            Activation::Identity => (a, upstream),
-            // ReLU(a)², derivative 2 ReLU(a)
-            Activation::Relu2 => {
-                let r = B::relu(a);
-                let d = times(scale::<B>(r.clone(), 2.0));
-                (mul::<B>(r.clone(), r), d)
-            }
-            // tanh'(a) = 1 - tanh(a)²
-            Activation::Tanh => {
-                let th = B::float_tanh(a);
-                let d = times(one_minus::<B>(mul::<B>(th.clone(), th.clone())));
-                (th, d)
-            }
-        }
-    }
-
-    /// `[g | u]` → `(g, u)`.
-    pub(super) fn split<B: Backend>(gu: &FloatTensor<B>) -> (FloatTensor<B>, FloatTensor<B>) {
-        let [rows, width] = gu.shape().dims::<2>();
-        let half = |start: usize| {
-            let slices = [
-                Slice::new(0, Some(rows as isize), 1),
-                Slice::new(start as isize, Some((start + width / 2) as isize), 1),
-            ];
-            B::float_slice(gu.clone(), &slices)
-        };
-        (half(0), half(width / 2))
-    }
-
-    pub fn hidden<B: Backend>(pre: &Pre<B>, activation: Activation) -> FloatTensor<B> {
-        match pre {
-            Pre::Plain(a) => activate_and_backward::<B>(a.clone(), None, activation).0,
-            Pre::Gated(g, u) => {
-                let (phi, _) = activate_and_backward::<B>(g.clone(), None, activation);
-                mul::<B>(phi, u.clone())
-            }
-            Pre::Fused(gu) => {
-                let (g, u) = split::<B>(gu);
-                hidden::<B>(&Pre::Gated(g, u), activation)
-            }
-        }
-    }
-
-    pub fn hidden_backward<B: Backend>(
-        dh: FloatTensor<B>,
-        pre: &Pre<B>,
-        activation: Activation,
-    ) -> Pre<B> {
-        match pre {
-            Pre::Plain(a) => {
-                let (_, da) = activate_and_backward::<B>(a.clone(), Some(dh), activation);
-                Pre::Plain(da.expect("asked for"))
-            }
-            // dg = dh ⊙ u ⊙ φ'(g),  du = dh ⊙ φ(g)
-            Pre::Gated(g, u) => {
-                let upstream = mul::<B>(dh.clone(), u.clone());
-                let (phi, dg) = activate_and_backward::<B>(g.clone(), Some(upstream), activation);
-                Pre::Gated(dg.expect("asked for"), mul::<B>(dh, phi))
-            }
-            Pre::Fused(gu) => {
-                let (g, u) = split::<B>(gu);
-                let Pre::Gated(dg, du) = hidden_backward::<B>(dh, &Pre::Gated(g, u), activation)
-                else {
-                    unreachable!("gated in, gated out")
-                };
-                Pre::Fused(B::float_cat(vec![dg, du], 1))
-            }
-        }
-    }
-}
 
 /// Whether `device`'s backend has the op in this build (see the crate's backend features).
 pub fn supported(device: &burn::tensor::Device) -> bool {
