@@ -13,10 +13,15 @@ submodule in eval mode:
     llama-sharded  the same, saved in several shards with an index file
     llama-bf16   the same, saved in bfloat16 (outputs computed from the bf16 weights in f32)
     gpt2         GPT2LMHeadModel          transformer.h[i].mlp(x)
+    qwen3, olmo2, gemma, gemma2, gemma3, nemotron, phi, phi3, starcoder2, modernbert
+                 model.layers[i].mlp(x)
+    gpt_neox, falcon, gptj, gpt_bigcode     the layer's mlp(x)
+    bloom, opt, deberta_v2, distilbert      the FFN's two projections and activation as the
+                 layer runs them (without its residual, norm or dropout)
 
 into <name>/ffn_io.safetensors (x, y.0, y.1). The Rust tests load each folder and compare.
 
-    pip install torch transformers safetensors && python3 tools/hf_fixtures.py
+    pip install torch transformers safetensors && python3 tools/hf_fixtures.py [NAME ...]
 
 With --check-export DIR it instead loads the files Rust exported into DIR (one per model,
 `<name>.layer1.safetensors`, in the model's own naming) into the model's FFN submodule with
@@ -49,6 +54,11 @@ def models():
         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32,
     )
     gpt2 = transformers.GPT2Config(**common, n_embd=HIDDEN, n_layer=2, n_head=2, n_positions=32)
+    # Decoders with llama's attention arguments.
+    dec = dict(**common, hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=2,
+               num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
+    mlp = lambda m, i: m.model.layers[i].mlp  # noqa: E731
+    two = lambda up, act, down: lambda x: down(act(up(x)))  # noqa: E731
     return {
         "bert": (transformers.BertForMaskedLM, bert,
                  lambda m, i: lambda x: m.bert.encoder.layer[i].output.dense(m.bert.encoder.layer[i].intermediate(x))),
@@ -58,6 +68,65 @@ def models():
                      lambda m, i: m.encoder.block[i].layer[1].DenseReluDense),
         "llama": (transformers.LlamaForCausalLM, llama, lambda m, i: m.model.layers[i].mlp),
         "gpt2": (transformers.GPT2LMHeadModel, gpt2, lambda m, i: m.transformer.h[i].mlp),
+        # Families read by the generic reader: each FFN as transformers runs it.
+        "qwen3": (transformers.Qwen3ForCausalLM, transformers.Qwen3Config(**dec, head_dim=8), mlp),
+        "olmo2": (transformers.Olmo2ForCausalLM, transformers.Olmo2Config(**dec), mlp),
+        "gemma": (transformers.GemmaForCausalLM,
+                  transformers.GemmaConfig(**dec, head_dim=8, hidden_act="gelu_pytorch_tanh"), mlp),
+        "gemma2": (transformers.Gemma2ForCausalLM,
+                   transformers.Gemma2Config(**dec, head_dim=8, hidden_activation="gelu_pytorch_tanh"), mlp),
+        "gemma3": (transformers.Gemma3ForCausalLM,
+                   transformers.Gemma3TextConfig(**dec, head_dim=8, hidden_activation="gelu_pytorch_tanh"), mlp),
+        "nemotron": (transformers.NemotronForCausalLM,
+                     transformers.NemotronConfig(**dec, head_dim=8, hidden_act="relu2"), mlp),
+        "phi": (transformers.PhiForCausalLM, transformers.PhiConfig(**dec, hidden_act="gelu_new"), mlp),
+        "phi3": (transformers.Phi3ForCausalLM, transformers.Phi3Config(**dec, pad_token_id=0), mlp),
+        "starcoder2": (transformers.Starcoder2ForCausalLM,
+                       transformers.Starcoder2Config(**dec, hidden_act="gelu_pytorch_tanh"), mlp),
+        "gpt_neox": (transformers.GPTNeoXForCausalLM,
+                     transformers.GPTNeoXConfig(**common, hidden_size=HIDDEN, intermediate_size=INTER,
+                                                num_hidden_layers=2, num_attention_heads=2,
+                                                max_position_embeddings=32),
+                     lambda m, i: m.gpt_neox.layers[i].mlp),
+        "falcon": (transformers.FalconForCausalLM,
+                   transformers.FalconConfig(**common, hidden_size=HIDDEN, num_hidden_layers=2,
+                                             num_attention_heads=2, ffn_hidden_size=INTER),
+                   lambda m, i: m.transformer.h[i].mlp),
+        "bloom": (transformers.BloomForCausalLM,
+                  transformers.BloomConfig(**common, hidden_size=HIDDEN, n_layer=2, n_head=2),
+                  lambda m, i: two(m.transformer.h[i].mlp.dense_h_to_4h, m.transformer.h[i].mlp.gelu_impl,
+                                   m.transformer.h[i].mlp.dense_4h_to_h)),
+        "opt": (transformers.OPTForCausalLM,
+                transformers.OPTConfig(**common, hidden_size=HIDDEN, ffn_dim=INTER, num_hidden_layers=2,
+                                       num_attention_heads=2, word_embed_proj_dim=HIDDEN,
+                                       max_position_embeddings=32),
+                lambda m, i: two(m.model.decoder.layers[i].fc1, m.model.decoder.layers[i].activation_fn,
+                                 m.model.decoder.layers[i].fc2)),
+        "gptj": (transformers.GPTJForCausalLM,
+                 transformers.GPTJConfig(**common, n_embd=HIDDEN, n_inner=INTER, n_layer=2, n_head=2,
+                                         rotary_dim=4, n_positions=32),
+                 lambda m, i: m.transformer.h[i].mlp),
+        "gpt_bigcode": (transformers.GPTBigCodeForCausalLM,
+                        transformers.GPTBigCodeConfig(**common, n_embd=HIDDEN, n_inner=INTER, n_layer=2,
+                                                      n_head=2, n_positions=32),
+                        lambda m, i: m.transformer.h[i].mlp),
+        "distilbert": (transformers.DistilBertForMaskedLM,
+                       transformers.DistilBertConfig(**common, dim=HIDDEN, hidden_dim=INTER, n_layers=2,
+                                                     n_heads=2, max_position_embeddings=32),
+                       lambda m, i: m.distilbert.transformer.layer[i].ffn),
+        "deberta_v2": (transformers.DebertaV2ForMaskedLM,
+                       transformers.DebertaV2Config(**common, hidden_size=HIDDEN, intermediate_size=INTER,
+                                                    num_hidden_layers=2, num_attention_heads=2,
+                                                    max_position_embeddings=32),
+                       lambda m, i: lambda x: m.deberta.encoder.layer[i].output.dense(
+                           m.deberta.encoder.layer[i].intermediate(x))),
+        "modernbert": (transformers.ModernBertForMaskedLM,
+                       transformers.ModernBertConfig(**common, hidden_size=HIDDEN, intermediate_size=INTER,
+                                                     num_hidden_layers=2, num_attention_heads=2,
+                                                     max_position_embeddings=32, pad_token_id=0,
+                                                     bos_token_id=1, eos_token_id=2, cls_token_id=1,
+                                                     sep_token_id=2, mask_token_id=3),
+                       mlp),
     }
 
 
@@ -74,10 +143,10 @@ def ffn_module(name, model, i):
     return models()[name.replace("-sharded", "").replace("-bf16", "")][2](model, i)
 
 
-def make():
-    if OUT.exists():
-        shutil.rmtree(OUT)
+def make(only=None):
     for name, (cls, config, ffn) in models().items():
+        if only and name not in only:
+            continue
         variants = [(name, None)]
         if name == "llama":
             variants += [("llama-sharded", "shards"), ("llama-bf16", "bf16")]
@@ -88,6 +157,8 @@ def make():
                 for p in model.parameters():  # visible biases and larger weights than init
                     p.normal_(0.0, 0.3)
             folder = OUT / folder_name
+            if folder.exists():  # only this model's folder: the MoE fixtures live beside it
+                shutil.rmtree(folder)
             if variant == "bf16":
                 model = model.to(torch.bfloat16)
                 model.save_pretrained(folder)
@@ -133,8 +204,9 @@ def check_export(directory):
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--check-export", metavar="DIR")
+    parser.add_argument("models", nargs="*", help="only these (default: all)")
     args = parser.parse_args()
     if args.check_export:
         check_export(args.check_export)
     else:
-        make()
+        make(args.models)

@@ -1,19 +1,44 @@
 //! # Hugging Face model folders
 //!
 //! A folder written by `save_pretrained`: `config.json` and `model.safetensors`, or several
-//! shards listed by `model.safetensors.index.json`. [`HfModel`] reads the model type and its
-//! config keys, builds the matching [`FeedForwardConfig`], and loads the FFN of any layer:
+//! shards listed by `model.safetensors.index.json`. [`HfModel`] finds each layer's FFN by its
+//! tensor names and reads the rest from the config's fields, whatever the `model_type`:
 //!
-//! | `model_type` | FFN of layer i | config keys |
-//! |---|---|---|
-//! | `bert`, `roberta` | `[bert.]encoder.layer.i.{intermediate,output}.dense` | `hidden_size`, `intermediate_size`, `hidden_act`, `hidden_dropout_prob` |
-//! | `t5` | `encoder.block.i.layer.1.DenseReluDense.{wi,wi_0,wi_1,wo}` | `d_model`, `d_ff`, `feed_forward_proj`, `dropout_rate` |
-//! | `llama`, `mistral`, `qwen2` | `model.layers.i.mlp.{gate,up,down}_proj` | `hidden_size`, `intermediate_size`, `hidden_act`, `mlp_bias` |
-//! | `gpt2` | `transformer.h.i.mlp.{c_fc,c_proj}` | `n_embd`, `n_inner`, `activation_function`, `resid_pdrop` |
-//! | `mixtral`, `qwen2_moe`, `qwen3_moe`, `deepseek_v3` | dense layers as `llama`; sparse layers: [`HfModel::load_moe_layer`] | see [`HfModel::moe_config`] |
+//! - **Where**: every prefix under which the weights of a known [`Scheme`] lie
+//!   (`model.layers.3.mlp.`, `encoder.block.3.layer.1.DenseReluDense.`,
+//!   `model.decoder.layers.3.`); its layer is the prefix's first number. Experts are not
+//!   dense FFNs (see [`HfModel::load_moe_layer`]). Of several stacks (encoder and decoder), the
+//!   one with the most layers, an encoder on a tie.
+//! - **Layout**: the scheme of the keys (split or packed gate and up, the stems); `Conv1D` or
+//!   `nn.Linear` for `c_fc`/`c_proj` from the weight's shape against `d_model`.
+//! - **Sizes, gating, biases**: from the tensors (`d_model`, `d_ff`, whether a gate and each
+//!   bias are there).
+//! - **Activation**: the first of `hidden_activation`, `hidden_act`, `activation_function`,
+//!   `activation`, `feed_forward_proj` (T5's `gated-gelu` is the tanh GELU, as
+//!   `transformers` maps it to `gelu_new`). **Dropout**: `hidden_dropout_prob`,
+//!   `resid_pdrop`, `hidden_dropout` (on the output), `dropout_rate` (T5, on the hidden
+//!   layer). **Layers**: `num_hidden_layers`, `num_layers`, `n_layer`, `n_layers`.
 //!
-//! T5's `feed_forward_proj = "gated-gelu"` means the tanh GELU (`transformers` maps it to
-//! `gelu_new`), as T5 v1.1 was trained.
+//! What only a family's code says sits in two small tables: BLOOM's activation (its config
+//! names none) and GPT-2's `Conv1D` where the shapes cannot tell (`d_ff = d_model`).
+//!
+//! | family (`model_type`) | FFN of layer i | scheme | activation field |
+//! |---|---|---|---|
+//! | `bert`, `roberta`, `deberta-v2` | `…encoder.layer.i.{intermediate,output}.dense` | `bert` | `hidden_act` |
+//! | `distilbert` | `distilbert.transformer.layer.i.ffn.{lin1,lin2}` | `distilbert` | `activation` |
+//! | `modernbert` | `model.layers.i.mlp.{Wi,Wo}`, `Wi` packed | `modernbert` | `hidden_activation` |
+//! | `t5` | `encoder.block.i.layer.1.DenseReluDense.{wi,wi_0,wi_1,wo}` | `t5` | `feed_forward_proj` |
+//! | `llama`, `mistral`, `qwen2`, `qwen3`, `olmo2`, `gemma` | `model.layers.i.mlp.{gate,up,down}_proj` | `llama` | `hidden_act` |
+//! | `gemma2`, `gemma3_text` | the same | `llama` | `hidden_activation` |
+//! | `nemotron` (squared ReLU, ungated) | `model.layers.i.mlp.{up,down}_proj` | `llama` | `hidden_act` |
+//! | `phi3` | `model.layers.i.mlp.{gate_up_proj,down_proj}` | `gate_up_proj` | `hidden_act` |
+//! | `phi` | `model.layers.i.mlp.{fc1,fc2}` | `fc` | `hidden_act` |
+//! | `opt` | `model.decoder.layers.i.{fc1,fc2}` | `fc` | `activation_function` |
+//! | `gpt2` | `transformer.h.i.mlp.{c_fc,c_proj}`, `Conv1D` | `gpt2` | `activation_function` |
+//! | `gpt_bigcode`, `starcoder2` | `….mlp.{c_fc,c_proj}`, `nn.Linear` | `bigcode` | `activation_function`, `hidden_act` |
+//! | `gptj` | `transformer.h.i.mlp.{fc_in,fc_out}` | `gptj` | `activation_function` |
+//! | `gpt_neox`, `falcon`, `bloom` | `….mlp.{dense_h_to_4h,dense_4h_to_h}` | `neox` | `hidden_act`, `activation`, none (tanh GELU) |
+//! | `mixtral`, `qwen2_moe`, `qwen3_moe`, `deepseek_v3` | dense layers as `llama`; sparse layers: [`HfModel::load_moe_layer`] | | see [`HfModel::moe_config`] |
 
 use std::path::{Path, PathBuf};
 
@@ -30,22 +55,88 @@ pub struct HfModel {
     model_type: String,
     pub(crate) config: Map<String, Value>,
     pub(crate) files: TensorFiles,
+    /// The dense FFNs found by their keys, in layer order (see [`HfModel::layer_prefix`]).
+    dense: Vec<DenseFfn>,
 }
 
-/// The model types understood.
-pub const MODEL_TYPES: [&str; 11] = [
+/// A dense FFN found in the checkpoint: where, in which layer, in which scheme.
+#[derive(Debug, Clone)]
+struct DenseFfn {
+    prefix: String,
+    /// The prefix with its layer number as `{}`.
+    stack: String,
+    layer: usize,
+    scheme: Scheme,
+    gated: bool,
+}
+
+/// The model types whose checkpoints have been checked against `transformers` (any other
+/// loads too when its keys and fields follow one of their patterns).
+pub const MODEL_TYPES: [&str; 29] = [
     "bert",
     "roberta",
+    "deberta-v2",
+    "distilbert",
+    "modernbert",
     "t5",
     "llama",
     "mistral",
     "qwen2",
+    "qwen3",
+    "olmo2",
+    "gemma",
+    "gemma2",
+    "gemma3_text",
+    "nemotron",
+    "phi",
+    "phi3",
+    "starcoder2",
     "gpt2",
+    "gpt_bigcode",
+    "gptj",
+    "gpt_neox",
+    "falcon",
+    "bloom",
+    "opt",
     "mixtral",
     "qwen2_moe",
     "qwen3_moe",
     "deepseek_v3",
 ];
+
+/// The fields of `config.json` that hold each quantity, in the order they are read: between
+/// them they cover every family above.
+const D_MODEL_FIELDS: [&str; 4] = ["hidden_size", "d_model", "n_embd", "dim"];
+const D_FF_FIELDS: [&str; 6] = [
+    "intermediate_size",
+    "d_ff",
+    "n_inner",
+    "ffn_dim",
+    "hidden_dim",
+    "ffn_hidden_size",
+];
+const LAYER_FIELDS: [&str; 4] = ["num_hidden_layers", "num_layers", "n_layer", "n_layers"];
+/// `hidden_activation` first: Gemma 2 and 3 and ModernBERT read it, and Gemma 1 leaves it null.
+const ACTIVATION_FIELDS: [&str; 5] = [
+    "hidden_activation",
+    "hidden_act",
+    "activation_function",
+    "activation",
+    "feed_forward_proj",
+];
+/// Dropout fields and where the layer applies them.
+const DROPOUT_FIELDS: [(&str, DropoutAt); 4] = [
+    ("hidden_dropout_prob", DropoutAt::Output),
+    ("resid_pdrop", DropoutAt::Output),
+    ("hidden_dropout", DropoutAt::Output),
+    ("dropout_rate", DropoutAt::Hidden),
+];
+
+/// What only a family's own code says, where its config and keys cannot: the activation of
+/// a family whose config names none (BLOOM's `bloom_gelu` is the tanh form), and the families
+/// whose `c_fc`/`c_proj` are GPT-2's `Conv1D` when the shapes cannot tell (`d_ff = d_model`).
+const DEFAULT_ACTIVATION: [(&str, Activation); 1] = [("bloom", Activation::GeluTanh)];
+const CONV1D_TYPES: [&str; 1] = ["gpt2"];
 
 impl HfModel {
     /// Opens a folder: reads `config.json` and the headers of the weight files.
@@ -72,16 +163,6 @@ impl HfModel {
                 message: "missing".into(),
             })?
             .to_string();
-        if !MODEL_TYPES.contains(&model_type.as_str()) {
-            return Err(Error::HfConfig {
-                path: config_path,
-                field: "model_type".into(),
-                message: format!(
-                    "`{model_type}` is not supported; supported: {}",
-                    MODEL_TYPES.join(", ")
-                ),
-            });
-        }
         let index = folder.join("model.safetensors.index.json");
         let files = if index.exists() {
             let text =
@@ -136,12 +217,115 @@ impl HfModel {
         } else {
             TensorFiles::single(TensorFile::open(&folder.join("model.safetensors"))?)
         };
-        Ok(Self {
+        let mut model = Self {
             folder,
             model_type,
             config,
             files,
-        })
+            dense: Vec::new(),
+        };
+        model.dense = model.find_dense();
+        Ok(model)
+    }
+
+    /// Every dense FFN in the checkpoint, found by its keys alone: a prefix under which the
+    /// weights of a known [`Scheme`] lie (`model.layers.3.mlp.`, `encoder.block.3.layer.1.
+    /// DenseReluDense.`, `model.decoder.layers.3.`). Its layer is the prefix's first number.
+    /// Experts are not dense FFNs: prefixes with an `experts` or `shared_expert(s)` part are
+    /// left to [`HfModel::load_moe_layer`]. When several stacks hold FFNs (an encoder and a
+    /// decoder), the layers are those of the stack with the most, an encoder on a tie.
+    fn find_dense(&self) -> Vec<DenseFfn> {
+        let mut prefixes = std::collections::BTreeSet::new();
+        for key in self.files.keys() {
+            for scheme in Scheme::ALL {
+                for stem in scheme.stems() {
+                    if let Some(prefix) = key.strip_suffix(&format!("{stem}.weight"))
+                        && (prefix.is_empty() || prefix.ends_with('.'))
+                    {
+                        prefixes.insert(prefix.to_string());
+                    }
+                }
+            }
+        }
+        let mut found: Vec<(String, DenseFfn)> = Vec::new();
+        for prefix in prefixes {
+            let parts: Vec<&str> = prefix.split('.').collect();
+            if parts
+                .iter()
+                .any(|p| p.starts_with("expert") || p.starts_with("shared_expert"))
+            {
+                continue;
+            }
+            let Some((at, layer)) = parts
+                .iter()
+                .enumerate()
+                .find_map(|(i, p)| p.parse::<usize>().ok().map(|n| (i, n)))
+            else {
+                continue;
+            };
+            let Ok((scheme, gated)) = Scheme::detect(self.files.keys(), &prefix) else {
+                continue;
+            };
+            let scheme = self.orientation(scheme, &prefix);
+            let mut stack = parts.clone();
+            stack[at] = "{}";
+            let stack = stack.join(".");
+            found.push((
+                stack.clone(),
+                DenseFfn {
+                    prefix,
+                    stack,
+                    layer,
+                    scheme,
+                    gated,
+                },
+            ));
+        }
+        let mut stacks: Vec<(&String, usize)> = Vec::new();
+        for (stack, _) in &found {
+            match stacks.iter_mut().find(|(s, _)| *s == stack) {
+                Some((_, n)) => *n += 1,
+                None => stacks.push((stack, 1)),
+            }
+        }
+        let encoder = |s: &str| s.split('.').any(|p| p == "encoder");
+        let Some(chosen) = stacks
+            .iter()
+            .max_by_key(|(s, n)| (*n, encoder(s), std::cmp::Reverse(s.len())))
+            .map(|(s, _)| (*s).clone())
+        else {
+            return Vec::new();
+        };
+        let mut dense: Vec<DenseFfn> = found
+            .into_iter()
+            .filter(|(s, _)| *s == chosen)
+            .map(|(_, f)| f)
+            .collect();
+        dense.sort_by_key(|f| f.layer);
+        dense
+    }
+
+    /// GPT-2's `c_fc`/`c_proj` are `Conv1D`, `[in, out]`; GPT-BigCode's and StarCoder2's are
+    /// `nn.Linear`, `[out, in]`. The up weight's shape against `d_model` tells them apart;
+    /// where it cannot (`d_ff = d_model`, or no `d_model` field), the model type does.
+    fn orientation(&self, scheme: Scheme, prefix: &str) -> Scheme {
+        if scheme != Scheme::Gpt2 {
+            return scheme;
+        }
+        let shape = self
+            .files
+            .info(&format!("{prefix}c_fc.weight"))
+            .map(|i| i.shape.clone())
+            .unwrap_or_default();
+        let d_model = D_MODEL_FIELDS
+            .iter()
+            .find_map(|f| self.config.get(*f).and_then(Value::as_u64))
+            .map(|n| n as usize);
+        match d_model.and_then(|d| crate::scheme::c_fc_layout(&shape, d)) {
+            Some(scheme) => scheme,
+            None if CONV1D_TYPES.contains(&self.model_type.as_str()) => Scheme::Gpt2,
+            None => Scheme::BigCode,
+        }
     }
 
     /// The folder.
@@ -154,14 +338,10 @@ impl HfModel {
         &self.model_type
     }
 
-    /// The naming scheme of the model's FFN weights.
+    /// The naming scheme of the model's dense FFN weights, found from their keys (a model
+    /// whose layers are all sparse: `llama`'s, as its shared and dense-layer names are).
     pub fn scheme(&self) -> Scheme {
-        match self.model_type.as_str() {
-            "bert" | "roberta" => Scheme::Bert,
-            "t5" => Scheme::T5,
-            "gpt2" => Scheme::Gpt2,
-            _ => Scheme::Llama,
-        }
+        self.dense.first().map_or(Scheme::Llama, |f| f.scheme)
     }
 
     pub(crate) fn error(&self, field: &str, message: impl Into<String>) -> Error {
@@ -215,67 +395,79 @@ impl HfModel {
             .map_err(|e: crate::ConfigError| self.error(field, e.to_string()))
     }
 
-    /// The number of layers (`num_hidden_layers`, `num_layers` or `n_layer`).
+    /// The first of `fields` that the config has (not null), if any.
+    fn first_field(&self, fields: &[&'static str]) -> Option<&'static str> {
+        fields
+            .iter()
+            .find(|f| self.config.get(**f).is_some_and(|v| !v.is_null()))
+            .copied()
+    }
+
+    /// The number of layers (`num_hidden_layers`, `num_layers`, `n_layer` or `n_layers`).
     pub fn num_layers(&self) -> Result<usize, Error> {
-        match self.model_type.as_str() {
-            "t5" => self.size("num_layers"),
-            "gpt2" => self.size("n_layer"),
-            _ => self.size("num_hidden_layers"),
+        match self.first_field(&LAYER_FIELDS) {
+            Some(field) => self.size(field),
+            None => Err(self.error(
+                LAYER_FIELDS[0],
+                format!("missing (nor any of {})", LAYER_FIELDS[1..].join(", ")),
+            )),
         }
     }
 
-    /// The FFN's config, from `config.json`.
+    /// The activation: the first of the activation fields the config has, T5's `gated-ACT`
+    /// form read as `ACT` (with `gated-gelu` the tanh form, as `transformers` maps it), else
+    /// the family's own default.
+    fn ffn_activation(&self) -> Result<Activation, Error> {
+        let Some(field) = self.first_field(&ACTIVATION_FIELDS) else {
+            return DEFAULT_ACTIVATION
+                .iter()
+                .find(|(t, _)| *t == self.model_type)
+                .map(|(_, a)| *a)
+                .ok_or_else(|| {
+                    self.error(
+                        ACTIVATION_FIELDS[1],
+                        format!(
+                            "missing: no activation field ({}) in config.json",
+                            ACTIVATION_FIELDS.join(", ")
+                        ),
+                    )
+                });
+        };
+        let name = self.string(field, "")?;
+        let name = if field == "feed_forward_proj" {
+            match name.split_once('-') {
+                Some(("gated", "gelu")) => "gelu_new".to_string(),
+                Some(("gated", act)) => act.to_string(),
+                None => name,
+                _ => {
+                    return Err(
+                        self.error(field, format!("`{name}` is neither `ACT` nor `gated-ACT`"))
+                    );
+                }
+            }
+        } else {
+            name
+        };
+        self.activation(field, &name)
+    }
+
+    /// The FFN's config: sizes, gating and biases from the first dense FFN's tensors, the
+    /// activation and dropout from `config.json`. A model whose layers are all sparse takes
+    /// the sizes from `config.json` (`hidden_size`, `intermediate_size`, …), gated, with
+    /// `mlp_bias`.
     pub fn ffn_config(&self) -> Result<FeedForwardConfig, Error> {
-        let config = match self.model_type.as_str() {
-            "bert" | "roberta" => {
-                let act = self.string("hidden_act", "gelu")?;
-                FeedForwardConfig::new(self.size("hidden_size")?, self.size("intermediate_size")?)
-                    .with_activation(self.activation("hidden_act", &act)?)
-                    .with_bias_up(true)
-                    .with_bias_down(true)
-                    .with_dropout(self.number("hidden_dropout_prob", 0.1)?)
-                    .with_dropout_at(DropoutAt::Output)
-            }
-            "t5" => {
-                let proj = self.string("feed_forward_proj", "relu")?;
-                let (gated, act) = match proj.split_once('-') {
-                    Some(("gated", act)) => (true, act),
-                    None => (false, proj.as_str()),
-                    _ => {
-                        return Err(self.error(
-                            "feed_forward_proj",
-                            format!("`{proj}` is neither `ACT` nor `gated-ACT`"),
-                        ));
-                    }
+        let activation = self.ffn_activation()?;
+        let config = match self.dense.first() {
+            Some(ffn) => self.found_config(ffn)?,
+            None => {
+                let d_model = match self.first_field(&D_MODEL_FIELDS) {
+                    Some(field) => self.size(field)?,
+                    None => return Err(self.error(D_MODEL_FIELDS[0], "missing")),
                 };
-                // transformers: "gated-gelu" runs `gelu_new`, the tanh approximation.
-                let act = if proj == "gated-gelu" {
-                    "gelu_new"
-                } else {
-                    act
+                let d_ff = match self.first_field(&D_FF_FIELDS) {
+                    Some(field) => self.size(field)?,
+                    None => d_model.saturating_mul(4),
                 };
-                FeedForwardConfig::new(self.size("d_model")?, self.size("d_ff")?)
-                    .with_activation(self.activation("feed_forward_proj", act)?)
-                    .with_gated(gated)
-                    .with_dropout(self.number("dropout_rate", 0.1)?)
-                    .with_dropout_at(DropoutAt::Hidden)
-            }
-            "gpt2" => {
-                let d_model = self.size("n_embd")?;
-                let d_ff = match self.config.get("n_inner") {
-                    None | Some(Value::Null) => d_model.saturating_mul(4),
-                    Some(_) => self.size("n_inner")?,
-                };
-                let act = self.string("activation_function", "gelu_new")?;
-                FeedForwardConfig::new(d_model, d_ff)
-                    .with_activation(self.activation("activation_function", &act)?)
-                    .with_bias_up(true)
-                    .with_bias_down(true)
-                    .with_dropout(self.number("resid_pdrop", 0.1)?)
-                    .with_dropout_at(DropoutAt::Output)
-            }
-            _ => {
-                let act = self.string("hidden_act", "silu")?;
                 let bias = match self.config.get("mlp_bias") {
                     None | Some(Value::Null) => false,
                     Some(Value::Bool(b)) => *b,
@@ -283,57 +475,126 @@ impl HfModel {
                         return Err(self.error("mlp_bias", format!("must be a boolean, got {v}")));
                     }
                 };
-                FeedForwardConfig::new(self.size("hidden_size")?, self.size("intermediate_size")?)
-                    .with_activation(self.activation("hidden_act", &act)?)
+                FeedForwardConfig::new(d_model, d_ff)
                     .with_gated(true)
                     .with_bias_up(bias)
                     .with_bias_gate(bias)
                     .with_bias_down(bias)
             }
         };
+        let mut config = config.with_activation(activation);
+        if let Some((field, at)) = DROPOUT_FIELDS
+            .iter()
+            .find(|(f, _)| self.config.get(*f).is_some_and(|v| !v.is_null()))
+        {
+            config = config
+                .with_dropout(self.number(field, 0.0)?)
+                .with_dropout_at(*at);
+        }
         config
             .validate()
             .map_err(|e| self.error("config.json", e.to_string()))?;
         Ok(config)
     }
 
-    /// The key prefix of layer `layer`'s FFN, as this folder's keys have it.
+    /// The sizes, gating and biases of a dense FFN, read from its tensors.
+    fn found_config(&self, ffn: &DenseFfn) -> Result<FeedForwardConfig, Error> {
+        use crate::scheme::{Role, Slot};
+        let slot = |role| ffn.scheme.slot(role, ffn.gated).ok().flatten();
+        let up = slot(Role::Up).expect("a detected scheme has an up projection");
+        let key = format!("{}{}.weight", ffn.prefix, up.name());
+        let shape = self.files.info(&key).map(|i| i.shape.clone());
+        let (d_model, d_ff) = match (up, shape.as_deref()) {
+            (Slot::Linear(_), Some([out, inp])) => (*inp, *out),
+            (Slot::Conv1d(_), Some([inp, out])) => (*inp, *out),
+            (Slot::Half(..), Some([out, inp])) if out % 2 == 0 => (*inp, out / 2),
+            _ => {
+                let expected = match up {
+                    Slot::Half(..) => "[2·d_ff, d_model]",
+                    Slot::Conv1d(_) => "[d_model, d_ff]",
+                    Slot::Linear(_) => "[d_ff, d_model]",
+                };
+                return Err(Error::Scheme(format!(
+                    "tensor `{}` has shape {:?}: a {} up projection is {expected}",
+                    crate::error::clip(&key),
+                    shape.unwrap_or_default(),
+                    ffn.scheme
+                )));
+            }
+        };
+        // The config's sizes, where it states them, must be the tensors'.
+        for (fields, size) in [(&D_MODEL_FIELDS[..], d_model), (&D_FF_FIELDS[..], d_ff)] {
+            if let Some(field) = self.first_field(fields) {
+                let stated = self.size(field)?;
+                if stated != size {
+                    return Err(self.error(
+                        field,
+                        format!(
+                            "is {stated}, but the FFN weight `{}` has {size}",
+                            crate::error::clip(&key)
+                        ),
+                    ));
+                }
+            }
+        }
+        let bias = |role| {
+            slot(role).is_some_and(|s: Slot| {
+                self.files
+                    .info(&format!("{}{}.bias", ffn.prefix, s.name()))
+                    .is_some()
+            })
+        };
+        Ok(FeedForwardConfig::new(d_model, d_ff)
+            .with_gated(ffn.gated)
+            .with_bias_gate(bias(Role::Gate))
+            .with_bias_up(bias(Role::Up))
+            .with_bias_down(bias(Role::Down)))
+    }
+
+    /// The key prefix of layer `layer`'s dense FFN, as this folder's keys have it (found by
+    /// the keys alone: see the module docs).
     pub fn layer_prefix(&self, layer: usize) -> Result<String, Error> {
         let layers = self.num_layers()?;
         if layer >= layers {
             return Err(Error::LayerOutOfRange { layer, layers });
         }
-        let candidates: Vec<String> = match self.model_type.as_str() {
-            "bert" | "roberta" => ["bert.", "roberta.", ""]
-                .iter()
-                .map(|p| format!("{p}encoder.layer.{layer}."))
-                .collect(),
-            "t5" => vec![format!("encoder.block.{layer}.layer.1.DenseReluDense.")],
-            "gpt2" => ["transformer.", ""]
-                .iter()
-                .map(|p| format!("{p}h.{layer}.mlp."))
-                .collect(),
-            _ => ["model.", ""]
-                .iter()
-                .map(|p| format!("{p}layers.{layer}.mlp."))
-                .collect(),
-        };
-        let scheme = self.scheme();
-        candidates
+        self.dense
             .iter()
-            .find(|prefix| self.files.keys().any(|key| scheme.owns(key, prefix)))
-            .cloned()
+            .find(|f| f.layer == layer)
+            .map(|f| f.prefix.clone())
             .ok_or_else(|| Error::MissingTensor {
-                key: format!("{}…", candidates[0]),
-                hint: format!(" (no {} FFN weights for layer {layer})", scheme.name()),
+                key: match self.dense.first() {
+                    Some(f) => f.stack.replace("{}", &layer.to_string()),
+                    None => format!("…{layer}.…"),
+                },
+                hint: format!(
+                    " (no dense FFN of a known scheme for layer {layer}: schemes {})",
+                    Scheme::ALL.map(Scheme::name).join(", ")
+                ),
             })
+    }
+
+    /// Where layer `layer`'s FFN is, and in which scheme. A layer in range that the search
+    /// did not find (a tensor missing, say) is looked for where the other layers have theirs,
+    /// so that loading names the tensor that is not there.
+    fn layer_ffn(&self, layer: usize) -> Result<(String, Scheme), Error> {
+        match self.layer_prefix(layer) {
+            Ok(prefix) => {
+                let scheme = self.dense.iter().find(|f| f.layer == layer);
+                Ok((prefix, scheme.map_or(self.scheme(), |f| f.scheme)))
+            }
+            Err(Error::MissingTensor { .. }) if !self.dense.is_empty() => {
+                let like = &self.dense[0];
+                Ok((like.stack.replace("{}", &layer.to_string()), like.scheme))
+            }
+            Err(e) => Err(e),
+        }
     }
 
     /// Builds the FFN of `config.json` on `device` and loads layer `layer`'s weights into it.
     pub fn load_layer(&mut self, layer: usize, device: &Device) -> Result<FeedForward, Error> {
         let config = self.ffn_config()?;
-        let prefix = self.layer_prefix(layer)?;
-        let scheme = self.scheme();
+        let (prefix, scheme) = self.layer_ffn(layer)?;
         config
             .try_init(device)?
             .load_from(&mut self.files, scheme, &prefix)

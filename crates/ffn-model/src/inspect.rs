@@ -89,10 +89,13 @@ pub struct FoundFfn {
 fn usual_activation(scheme: Scheme, gated: bool) -> Activation {
     match scheme {
         Scheme::Llama | Scheme::MetaLlama | Scheme::W12 | Scheme::GateUpProj => Activation::Silu,
-        Scheme::Gpt2 => Activation::GeluTanh,
+        Scheme::Gpt2 | Scheme::GptJ | Scheme::BigCode => Activation::GeluTanh,
         Scheme::T5 if gated => Activation::GeluTanh,
         Scheme::T5 | Scheme::Labml => Activation::Relu,
-        Scheme::Bert | Scheme::Native => Activation::Gelu,
+        Scheme::Bert | Scheme::Native | Scheme::Fc | Scheme::NeoX | Scheme::DistilBert => {
+            Activation::Gelu
+        }
+        Scheme::ModernBert => Activation::Gelu,
     }
 }
 

@@ -14,7 +14,13 @@
 //! | `meta_llama` | `w1` | `w3` (gated) / `w1` | `w2` | `nn.Linear` |
 //! | `gpt2` | – | `c_fc` | `c_proj` | `Conv1D`, `[in, out]` |
 //! | `w12` (xformers) | `w12`, first half | `w12`, second half | `w3` | packed `[2·d_ff, in]` |
-//! | `gate_up_proj` (vLLM) | `gate_up_proj`, first half | second half | `down_proj` | packed |
+//! | `gate_up_proj` (vLLM, Phi-3) | `gate_up_proj`, first half | second half | `down_proj` | packed |
+//! | `fc` (Phi, OPT) | – | `fc1` | `fc2` | `nn.Linear` |
+//! | `neox` (GPT-NeoX, Falcon, BLOOM) | – | `dense_h_to_4h` | `dense_4h_to_h` | `nn.Linear` |
+//! | `gptj` | – | `fc_in` | `fc_out` | `nn.Linear` |
+//! | `bigcode` (GPT-BigCode, StarCoder2) | – | `c_fc` | `c_proj` | `nn.Linear` (not GPT-2's `Conv1D`) |
+//! | `distilbert` | – | `lin1` | `lin2` | `nn.Linear` |
+//! | `modernbert` | `Wi`, first half | `Wi`, second half | `Wo` | packed |
 //!
 //! In the packed layouts the gate's rows come first, as xformers' `SwiGLU` (`x1, x2 =
 //! w12(x).chunk(2)`, `silu(x1) * x2`) and vLLM's `SiluAndMul` read them. Loading splits them;
@@ -82,13 +88,25 @@ pub enum Scheme {
     Gpt2,
     /// xformers: `w12` packing gate and up, `w3`.
     W12,
-    /// vLLM: `gate_up_proj` packing gate and up, `down_proj`.
+    /// vLLM and Phi-3: `gate_up_proj` packing gate and up, `down_proj`.
     GateUpProj,
+    /// Phi and OPT: `fc1`, `fc2`.
+    Fc,
+    /// GPT-NeoX, Falcon and BLOOM: `dense_h_to_4h`, `dense_4h_to_h`.
+    NeoX,
+    /// GPT-J: `fc_in`, `fc_out`.
+    GptJ,
+    /// GPT-BigCode and StarCoder2: `c_fc`, `c_proj` as `nn.Linear`, `[out, in]`.
+    BigCode,
+    /// DistilBERT: `lin1`, `lin2`.
+    DistilBert,
+    /// ModernBERT: `Wi` packing the activated half and the linear half, `Wo`.
+    ModernBert,
 }
 
 impl Scheme {
     /// Every scheme.
-    pub const ALL: [Scheme; 9] = [
+    pub const ALL: [Scheme; 15] = [
         Scheme::Native,
         Scheme::Labml,
         Scheme::Bert,
@@ -98,6 +116,12 @@ impl Scheme {
         Scheme::Gpt2,
         Scheme::W12,
         Scheme::GateUpProj,
+        Scheme::Fc,
+        Scheme::NeoX,
+        Scheme::GptJ,
+        Scheme::BigCode,
+        Scheme::DistilBert,
+        Scheme::ModernBert,
     ];
 
     /// The scheme's name.
@@ -112,6 +136,12 @@ impl Scheme {
             Scheme::Gpt2 => "gpt2",
             Scheme::W12 => "w12",
             Scheme::GateUpProj => "gate_up_proj",
+            Scheme::Fc => "fc",
+            Scheme::NeoX => "neox",
+            Scheme::GptJ => "gptj",
+            Scheme::BigCode => "bigcode",
+            Scheme::DistilBert => "distilbert",
+            Scheme::ModernBert => "modernbert",
         }
     }
 
@@ -129,7 +159,17 @@ impl Scheme {
             (Scheme::Labml, Up, true) => Linear("linear_v"),
             (Scheme::Labml, Up, false) => Linear("layer1"),
             (Scheme::Labml, Down, _) => Linear("layer2"),
-            (Scheme::Bert | Scheme::Gpt2, _, true) => {
+            (
+                Scheme::Bert
+                | Scheme::Gpt2
+                | Scheme::Fc
+                | Scheme::NeoX
+                | Scheme::GptJ
+                | Scheme::BigCode
+                | Scheme::DistilBert,
+                _,
+                true,
+            ) => {
                 return Err(Error::Scheme(format!(
                     "the {} scheme has no gate: it cannot hold a gated network",
                     self.name()
@@ -150,7 +190,17 @@ impl Scheme {
             (Scheme::MetaLlama, Up, true) => Linear("w3"),
             (Scheme::MetaLlama, Up, false) => Linear("w1"),
             (Scheme::MetaLlama, Down, _) => Linear("w2"),
-            (Scheme::W12 | Scheme::GateUpProj, _, false) => {
+            (Scheme::Fc, Up, false) => Linear("fc1"),
+            (Scheme::Fc, _, false) => Linear("fc2"),
+            (Scheme::NeoX, Up, false) => Linear("dense_h_to_4h"),
+            (Scheme::NeoX, _, false) => Linear("dense_4h_to_h"),
+            (Scheme::GptJ, Up, false) => Linear("fc_in"),
+            (Scheme::GptJ, _, false) => Linear("fc_out"),
+            (Scheme::BigCode, Up, false) => Linear("c_fc"),
+            (Scheme::BigCode, _, false) => Linear("c_proj"),
+            (Scheme::DistilBert, Up, false) => Linear("lin1"),
+            (Scheme::DistilBert, _, false) => Linear("lin2"),
+            (Scheme::W12 | Scheme::GateUpProj | Scheme::ModernBert, _, false) => {
                 return Err(Error::Scheme(format!(
                     "the {} scheme packs gate and up: it cannot hold an ungated network",
                     self.name()
@@ -162,6 +212,9 @@ impl Scheme {
             (Scheme::GateUpProj, Gate, true) => Half("gate_up_proj", 0),
             (Scheme::GateUpProj, Up, true) => Half("gate_up_proj", 1),
             (Scheme::GateUpProj, Down, true) => Linear("down_proj"),
+            (Scheme::ModernBert, Gate, true) => Half("Wi", 0),
+            (Scheme::ModernBert, Up, true) => Half("Wi", 1),
+            (Scheme::ModernBert, Down, true) => Linear("Wo"),
         };
         Ok(Some(slot))
     }
@@ -209,8 +262,19 @@ impl Scheme {
             (Scheme::Llama, has("gate_proj"))
         } else if has("wi_0") || has("wi") {
             (Scheme::T5, has("wi_0"))
+        } else if has("Wi") && has("Wo") {
+            (Scheme::ModernBert, true)
         } else if has("c_fc") {
+            // `Conv1D` or `nn.Linear`: the keys alone cannot tell (see `HfModel`).
             (Scheme::Gpt2, false)
+        } else if has("fc1") && has("fc2") {
+            (Scheme::Fc, false)
+        } else if has("dense_h_to_4h") {
+            (Scheme::NeoX, false)
+        } else if has("fc_in") {
+            (Scheme::GptJ, false)
+        } else if has("lin1") && has("lin2") {
+            (Scheme::DistilBert, false)
         } else if has("intermediate.dense") {
             (Scheme::Bert, false)
         } else if has("layer1") && has("layer2") {
@@ -228,6 +292,18 @@ impl Scheme {
             )));
         };
         Ok(found)
+    }
+}
+
+/// GPT-2's `c_fc`/`c_proj` (`Conv1D`, `[in, out]`) and GPT-BigCode's (`nn.Linear`,
+/// `[out, in]`) have the same keys, which [`Scheme::detect`] reads as [`Scheme::Gpt2`]: the
+/// shape of `c_fc.weight` against `d_model` tells them apart, except where `d_ff = d_model`
+/// (`None`).
+pub(crate) fn c_fc_layout(up_shape: &[usize], d_model: usize) -> Option<Scheme> {
+    match up_shape {
+        [rows, cols] if rows != cols && *cols == d_model => Some(Scheme::BigCode),
+        [rows, cols] if rows != cols && *rows == d_model => Some(Scheme::Gpt2),
+        _ => None,
     }
 }
 

@@ -73,7 +73,15 @@ impl FeedForward {
         let mut files = TensorFiles::single(TensorFile::open(path.as_ref())?);
         let scheme = match scheme {
             Some(scheme) => scheme,
-            None => Scheme::detect(files.keys(), prefix)?.0,
+            None => match Scheme::detect(files.keys(), prefix)?.0 {
+                // The same keys as GPT-BigCode's `nn.Linear`: the shape tells (see
+                // `c_fc_layout`), else GPT-2's `Conv1D`.
+                Scheme::Gpt2 => files
+                    .info(&format!("{prefix}c_fc.weight"))
+                    .and_then(|info| crate::scheme::c_fc_layout(&info.shape, self.d_model()))
+                    .unwrap_or(Scheme::Gpt2),
+                scheme => scheme,
+            },
         };
         self.load_from(&mut files, scheme, prefix)
     }

@@ -39,7 +39,7 @@ pub fn inspect(path: &Path, all: bool, out: &mut dyn Write) -> Result<()> {
                 "every layer"
             };
             line!(
-                "FFN config (from config.json), {what}:\n{}",
+                "FFN config (from config.json and the tensors), {what}:\n{}",
                 model.ffn_config()?.to_toml()
             );
         }

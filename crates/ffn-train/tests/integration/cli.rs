@@ -383,7 +383,7 @@ fn inspect_shows_tensors_schemes_and_configs() {
     let text = stdout(&out);
     for expected in [
         "Hugging Face `deepseek_v3` model, 2 layers",
-        "FFN config (from config.json), dense layers",
+        "FFN config (from config.json and the tensors), dense layers",
         "sparse layers: 8 experts of d_ff 12, top-2, Sigmoid scores, renormalised, 2 of 4 groups, 1 shared expert(s)",
         "routed_scaling = 2.5",
         "layer 0: prefix `model.layers.0.mlp.`",
