@@ -19,8 +19,9 @@
 //!   `resid_pdrop`, `hidden_dropout` (on the output), `dropout_rate` (T5, on the hidden
 //!   layer). **Layers**: `num_hidden_layers`, `num_layers`, `n_layer`, `n_layers`.
 //!
-//! What only a family's code says sits in two small tables: BLOOM's activation (its config
-//! names none) and GPT-2's `Conv1D` where the shapes cannot tell (`d_ff = d_model`).
+//! What only a family's code says sits in two small tables: the activation of BLOOM and MPT
+//! (their configs name none) and GPT-2's `Conv1D` where the shapes cannot tell (`d_ff =
+//! d_model`).
 //!
 //! | family (`model_type`) | FFN of layer i | scheme | activation field |
 //! |---|---|---|---|
@@ -133,9 +134,11 @@ const DROPOUT_FIELDS: [(&str, DropoutAt); 4] = [
 ];
 
 /// What only a family's own code says, where its config and keys cannot: the activation of
-/// a family whose config names none (BLOOM's `bloom_gelu` is the tanh form), and the families
+/// a family whose config names none (BLOOM's `bloom_gelu` is the tanh form, MPT's `nn.GELU()`
+/// the exact one), and the families
 /// whose `c_fc`/`c_proj` are GPT-2's `Conv1D` when the shapes cannot tell (`d_ff = d_model`).
-const DEFAULT_ACTIVATION: [(&str, Activation); 1] = [("bloom", Activation::GeluTanh)];
+const DEFAULT_ACTIVATION: [(&str, Activation); 2] =
+    [("bloom", Activation::GeluTanh), ("mpt", Activation::Gelu)];
 const CONV1D_TYPES: [&str; 1] = ["gpt2"];
 
 impl HfModel {
@@ -403,11 +406,13 @@ impl HfModel {
             .copied()
     }
 
-    /// The number of layers (`num_hidden_layers`, `num_layers`, `n_layer` or `n_layers`).
+    /// The number of layers: `num_hidden_layers`, `num_layers`, `n_layer` or `n_layers`, else
+    /// (BART's `encoder_layers`, say) one past the last layer with a dense FFN.
     pub fn num_layers(&self) -> Result<usize, Error> {
-        match self.first_field(&LAYER_FIELDS) {
-            Some(field) => self.size(field),
-            None => Err(self.error(
+        match (self.first_field(&LAYER_FIELDS), self.dense.last()) {
+            (Some(field), _) => self.size(field),
+            (None, Some(last)) => Ok(last.layer + 1),
+            (None, None) => Err(self.error(
                 LAYER_FIELDS[0],
                 format!("missing (nor any of {})", LAYER_FIELDS[1..].join(", ")),
             )),
