@@ -15,10 +15,10 @@ input x of shape [2, 5, hidden] and the loss L = Σ y ⊙ g:
 
 into <name>/moe_io.safetensors. Types: mixtral (softmax, top-2 renormalised), qwen2_moe
 (softmax, top-2 not renormalised, a shared expert gated by σ), qwen3_moe (softmax, top-2
-renormalised), deepseek_v3 (sigmoid scores, 4 groups of 2, top-2 groups, a non-zero
+renormalised), olmoe (softmax, top-2 not renormalised), deepseek_v3 (sigmoid scores, 4 groups of 2, top-2 groups, a non-zero
 e_score_correction_bias, routed scaling 2.5, a shared expert; layer 0 dense).
 
-    pip install torch transformers safetensors && python3 tools/moe_fixtures.py
+    pip install torch transformers safetensors && python3 tools/moe_fixtures.py [NAME ...]
 """
 
 import pathlib
@@ -44,6 +44,9 @@ def models():
         "qwen3_moe": (transformers.Qwen3MoeForCausalLM, transformers.Qwen3MoeConfig(
             **common, intermediate_size=20, moe_intermediate_size=EXPERT, num_experts=4,
             num_experts_per_tok=2, norm_topk_prob=True, head_dim=8)),
+        "olmoe": (transformers.OlmoeForCausalLM, transformers.OlmoeConfig(
+            **common, intermediate_size=EXPERT, num_experts=4, num_experts_per_tok=2,
+            norm_topk_prob=False)),
         "deepseek_v3": (transformers.DeepseekV3ForCausalLM, transformers.DeepseekV3Config(
             **common, intermediate_size=20, moe_intermediate_size=EXPERT, n_routed_experts=8,
             num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1,
@@ -53,8 +56,10 @@ def models():
     }
 
 
-def main():
+def main(only):
     for name, (cls, config) in models().items():
+        if only and name not in only:
+            continue
         torch.manual_seed(0)
         model = cls._from_config(config, experts_implementation="eager").eval()
         with torch.no_grad():
@@ -85,4 +90,5 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+    main(sys.argv[1:])

@@ -1,14 +1,19 @@
 //! # The sparse layers of Hugging Face MoE checkpoints
 //!
-//! [`HfModel::moe_config`] reads the layer's shape from `config.json`,
-//! [`HfModel::load_moe_layer`] loads one sparse layer (router, experts, shared experts), and
-//! [`Moe::save_safetensors_as`] writes one back in a model type's names:
+//! A sparse block is found by its keys: a router `{prefix}gate.weight` with `{prefix}experts.…`
+//! beside it (the layer is the prefix's first number). [`HfModel::moe_config`] reads the
+//! layer's shape and routing from `config.json` and the keys (a `shared_expert.` and its
+//! `shared_expert_gate`; `shared_experts.`; an `e_score_correction_bias`, which means
+//! DeepSeek-V3's sigmoid routing), [`HfModel::load_moe_layer`] loads one sparse layer (router,
+//! experts, shared experts), and [`Moe::save_safetensors_as`] writes one back in a model type's
+//! names:
 //!
 //! | `model_type` | layer `i` | experts | config keys |
 //! |---|---|---|---|
 //! | `mixtral` | `model.layers.i.block_sparse_moe.` | `experts.{e}.w1/w3/w2` | `num_local_experts`, `num_experts_per_tok`, `intermediate_size`, `router_jitter_noise` |
 //! | `qwen2_moe` | `model.layers.i.mlp.` | `experts.{e}.{gate,up,down}_proj`, `shared_expert.*`, `shared_expert_gate` | `num_experts`, `moe_intermediate_size`, `norm_topk_prob`, `shared_expert_intermediate_size` |
 //! | `qwen3_moe` | `model.layers.i.mlp.` | `experts.{e}.{gate,up,down}_proj` | `num_experts` (or `num_local_experts`), `moe_intermediate_size`, `norm_topk_prob` |
+//! | `olmoe` | `model.layers.i.mlp.` | `experts.{e}.{gate,up,down}_proj` | `num_experts`, `intermediate_size`, `norm_topk_prob` (false: the top k not renormalised) |
 //! | `deepseek_v3` | `model.layers.i.mlp.` | `experts.{e}.{gate,up,down}_proj`, `shared_experts.*`, `gate.e_score_correction_bias` | `n_routed_experts`, `moe_intermediate_size`, `n_group`, `topk_group`, `n_shared_experts`, `routed_scaling_factor`, `norm_topk_prob` |
 //!
 //! Every type also accepts the packed layout that `transformers` holds in memory (and some
@@ -28,22 +33,52 @@ use crate::safetensors::{TensorFiles, serialize};
 use crate::weights::load_param;
 use crate::{Error, HfModel, Moe, MoeConfig, Scheme, Scoring};
 
-/// The MoE model types.
-const MOE_TYPES: [&str; 4] = ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"];
+/// The model types a layer can be saved as (see [`Moe::to_safetensors_bytes_as`]).
+const MOE_TYPES: [&str; 5] = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3"];
 
 impl HfModel {
-    /// The [`MoeConfig`] of the model's sparse layers, from `config.json`.
+    /// The sparse blocks of the checkpoint, found by their keys: a prefix with a router
+    /// `{prefix}gate.weight` and experts `{prefix}experts.…` beside it, and its layer (the
+    /// prefix's first number), in layer order.
+    fn sparse_blocks(&self) -> Vec<(usize, String)> {
+        let mut blocks: Vec<(usize, String)> = self
+            .files
+            .keys()
+            .filter_map(|key| key.strip_suffix("gate.weight"))
+            .filter(|p| p.is_empty() || p.ends_with('.'))
+            .filter(|p| {
+                let experts = format!("{p}experts.");
+                self.files.keys().any(|k| k.starts_with(&experts))
+            })
+            .filter_map(|p| {
+                let layer = p.split('.').find_map(|part| part.parse::<usize>().ok())?;
+                Some((layer, p.to_string()))
+            })
+            .collect();
+        blocks.sort();
+        blocks
+    }
+
+    /// The [`MoeConfig`] of the model's sparse layers: the experts' and router's shapes from
+    /// `config.json`, the routing from its fields (`norm_topk_prob`, `router_jitter_noise`,
+    /// `routed_scaling_factor`, `n_group`/`topk_group`) and from the keys (a shared expert
+    /// and its gate, DeepSeek-V3's `e_score_correction_bias`, which means sigmoid scores).
     pub fn moe_config(&self) -> Result<MoeConfig, Error> {
         let kind = self.model_type();
-        if !MOE_TYPES.contains(&kind) {
+        let Some((_, prefix)) = self.sparse_blocks().into_iter().next() else {
             return Err(self.error(
                 "model_type",
                 format!(
-                    "`{kind}` has no mixture-of-experts layers; those that do: {}",
-                    MOE_TYPES.join(", ")
+                    "`{kind}` has no mixture-of-experts layers (no router `gate.weight` with \
+                     `experts` beside it)"
                 ),
             ));
-        }
+        };
+        let has = |suffix: &str| self.files.info(&format!("{prefix}{suffix}")).is_some();
+        let has_any = |stem: &str| {
+            let stem = format!("{prefix}{stem}");
+            self.files.keys().any(|k| k.starts_with(&stem))
+        };
         let mut expert = self.ffn_config()?;
         let first = |fields: &[&str]| -> Result<usize, Error> {
             let field = fields
@@ -52,10 +87,7 @@ impl HfModel {
                 .unwrap_or(&fields[0]);
             self.size(field)
         };
-        expert.d_ff = match kind {
-            "mixtral" => self.size("intermediate_size")?,
-            _ => self.size("moe_intermediate_size")?,
-        };
+        expert.d_ff = first(&["moe_intermediate_size", "intermediate_size"])?;
         let n_experts = first(&["num_local_experts", "num_experts", "n_routed_experts"])?;
         let top_k = self.size("num_experts_per_tok")?;
         if top_k > n_experts {
@@ -69,28 +101,33 @@ impl HfModel {
             Some(Value::Bool(b)) => Ok(*b),
             Some(v) => Err(self.error(field, format!("must be a boolean, got {v}"))),
         };
+        // Mixtral's config has no `norm_topk_prob`: it renormalises the top k.
         let mut config = MoeConfig::new(expert, n_experts, top_k)
-            .with_loss_coefs(self.number("router_aux_loss_coef", 0.001)?, 0.0);
-        config = match kind {
-            "mixtral" => config.with_jitter(self.number("router_jitter_noise", 0.0)?),
-            "qwen2_moe" => config
-                .with_normalize_top_k(boolean("norm_topk_prob", false)?)
-                .with_shared_experts(1, Some(self.size("shared_expert_intermediate_size")?), true),
-            "qwen3_moe" => config.with_normalize_top_k(boolean("norm_topk_prob", false)?),
-            _ => {
-                let shared = match self.config.get("n_shared_experts") {
-                    None | Some(Value::Null) => 0,
-                    Some(_) => self.size("n_shared_experts")?,
-                };
-                config
-                    .with_scoring(Scoring::Sigmoid)
-                    .with_normalize_top_k(boolean("norm_topk_prob", true)?)
-                    .with_groups(self.size("n_group")?, self.size("topk_group")?)
-                    .with_selection_bias(true, 0.001)
-                    .with_routed_scaling(self.number("routed_scaling_factor", 1.0)?)
-                    .with_shared_experts(shared, None, false)
-            }
-        };
+            .with_loss_coefs(self.number("router_aux_loss_coef", 0.001)?, 0.0)
+            .with_jitter(self.number("router_jitter_noise", 0.0)?)
+            .with_normalize_top_k(boolean("norm_topk_prob", true)?);
+        if has_any("shared_expert.") {
+            // Qwen2-MoE: one shared expert of its own width, gated by σ(x·w).
+            config = config.with_shared_experts(
+                1,
+                Some(self.size("shared_expert_intermediate_size")?),
+                has("shared_expert_gate.weight"),
+            );
+        }
+        if has("gate.e_score_correction_bias") {
+            // DeepSeek-V3's auxiliary-loss-free routing: sigmoid scores, a selection bias,
+            // groups, scaling, `n_shared_experts` ungated shared experts of the experts' width.
+            let shared = match self.config.get("n_shared_experts") {
+                None | Some(Value::Null) => 0,
+                Some(_) => self.size("n_shared_experts")?,
+            };
+            config = config
+                .with_scoring(Scoring::Sigmoid)
+                .with_groups(self.size("n_group")?, self.size("topk_group")?)
+                .with_selection_bias(true, 0.001)
+                .with_routed_scaling(self.number("routed_scaling_factor", 1.0)?)
+                .with_shared_experts(shared, None, false);
+        }
         config.validate().map_err(|e| {
             let field = match &e {
                 crate::ConfigError::Moe { field, .. } => field.to_string(),
@@ -109,18 +146,16 @@ impl HfModel {
         if layer >= layers {
             return Err(Error::LayerOutOfRange { layer, layers });
         }
-        let block = if self.model_type() == "mixtral" {
-            "block_sparse_moe"
-        } else {
-            "mlp"
-        };
-        let candidates = ["model.", ""].map(|p| format!("{p}layers.{layer}.{block}."));
-        candidates
+        let blocks = self.sparse_blocks();
+        blocks
             .iter()
-            .find(|p| self.files.info(&format!("{p}gate.weight")).is_some())
-            .cloned()
+            .find(|(l, _)| *l == layer)
+            .map(|(_, p)| p.clone())
             .ok_or_else(|| Error::MissingTensor {
-                key: format!("{}gate.weight", candidates[0]),
+                key: format!(
+                    "{}gate.weight",
+                    replace_layer(&blocks[0].1, blocks[0].0, layer)
+                ),
                 hint: format!(
                     " (layer {layer} has no router: a dense layer loads with `load_layer`)"
                 ),
@@ -136,7 +171,6 @@ impl HfModel {
         // Every tensor is read (and its shape checked against config.json) before the layer
         // is built: a config whose sizes disagree with the file allocates nothing.
         let (e_count, d, f) = (config.n_experts, config.d_model(), config.expert.d_ff);
-        let kind = self.model_type().to_string();
         let mut reader = Reader {
             files: &mut self.files,
             used: Vec::new(),
@@ -148,9 +182,15 @@ impl HfModel {
         } else {
             None
         };
-        let names = match kind.as_str() {
-            "mixtral" => ["w1", "w3", "w2"],
-            _ => ["gate_proj", "up_proj", "down_proj"],
+        // The experts' names: Mixtral's `w1`/`w3`/`w2` or `{gate,up,down}_proj`.
+        let names = if reader
+            .files
+            .info(&format!("{prefix}experts.0.w1.weight"))
+            .is_some()
+        {
+            ["w1", "w3", "w2"]
+        } else {
+            ["gate_proj", "up_proj", "down_proj"]
         };
         let packed = format!("{prefix}experts.gate_up_proj");
         // [gate, up, down] stacked in burn's layout: [E, d, f], [E, d, f], [E, f, d].
@@ -180,15 +220,17 @@ impl HfModel {
             }
         }
 
-        let (shared_prefix, shared_gate) = match kind.as_str() {
-            "qwen2_moe" => (
+        let (shared_prefix, shared_gate) = if config.n_shared_experts == 0 {
+            (None, None)
+        } else if config.shared_expert_gate {
+            (
                 Some(format!("{prefix}shared_expert.")),
                 Some(reader.take(&format!("{prefix}shared_expert_gate.weight"), &[1, d])?),
-            ),
-            "deepseek_v3" if config.n_shared_experts > 0 => {
-                (Some(format!("{prefix}shared_experts.")), None)
-            }
-            _ => (None, None),
+            )
+        } else if config.shared_d_ff.is_some() {
+            (Some(format!("{prefix}shared_expert.")), None)
+        } else {
+            (Some(format!("{prefix}shared_experts.")), None)
         };
         let Reader { files, used } = reader;
         // Anything else under the prefix (an extra expert, a bias the layer does not have) is
@@ -381,6 +423,23 @@ impl Moe {
         }
         self
     }
+}
+
+/// `prefix` (of layer `from`) with its first number, the layer, made `to`.
+fn replace_layer(prefix: &str, from: usize, to: usize) -> String {
+    let mut done = false;
+    prefix
+        .split('.')
+        .map(|part| {
+            if !done && part.parse::<usize>() == Ok(from) {
+                done = true;
+                to.to_string()
+            } else {
+                part.to_string()
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(".")
 }
 
 fn values(data: &TensorData) -> Vec<f64> {

@@ -699,7 +699,7 @@ fn random_configs_validate_or_run() {
 fn hugging_face_moe_layers_match_transformers() {
     use ffn_model::HfModel;
     use ffn_test_support::read_f64;
-    for name in ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"] {
+    for name in ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3"] {
         let folder = ffn_test_support::data_file(&format!("hf/{name}"));
         let mut model = HfModel::open(&folder).unwrap();
         let bytes = std::fs::read(folder.join("moe_io.safetensors")).unwrap();
@@ -861,6 +861,7 @@ fn moe_layers_save_back_to_their_checkpoint_names() {
         ("mixtral", "block_sparse_moe"),
         ("qwen2_moe", "mlp"),
         ("qwen3_moe", "mlp"),
+        ("olmoe", "mlp"),
         ("deepseek_v3", "mlp"),
     ] {
         let folder = ffn_test_support::data_file(&format!("hf/{name}"));
