@@ -76,7 +76,7 @@ pub use hf::HfModel;
 #[doc(hidden)]
 pub use linear::linear;
 pub use model::FeedForward;
-pub use moe::{MAX_EXPERTS, Moe, MoeConfig, MoeOutput, Scoring};
+pub use moe::{MAX_EXPERTS, Moe, MoeConfig, MoeOutput, MoeScheme, Scoring};
 pub use op::{Memory, Precision};
 pub use preset::Variant;
 pub use scheme::Scheme;

@@ -5,8 +5,8 @@
 //! layer's shape and routing from `config.json` and the keys (a `shared_expert.` and its
 //! `shared_expert_gate`; `shared_experts.`; an `e_score_correction_bias`, which means
 //! DeepSeek-V3's sigmoid routing), [`HfModel::load_moe_layer`] loads one sparse layer (router,
-//! experts, shared experts), and [`Moe::save_safetensors_as`] writes one back in a model type's
-//! names:
+//! experts, shared experts), and [`Moe::save_safetensors_as`] writes one back in a
+//! [`MoeScheme`]'s names:
 //!
 //! | `model_type` | layer `i` | experts | config keys |
 //! |---|---|---|---|
@@ -33,8 +33,70 @@ use crate::safetensors::{TensorFiles, serialize};
 use crate::weights::load_param;
 use crate::{Error, HfModel, Moe, MoeConfig, Scheme, Scoring};
 
-/// The model types a layer can be saved as (see [`Moe::to_safetensors_bytes_as`]).
-const MOE_TYPES: [&str; 5] = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3"];
+/// The names and layout of a sparse block in a Hugging Face checkpoint, as
+/// [`Moe::save_safetensors_as`] writes them (and [`HfModel::moe_scheme`] finds them): the
+/// counterpart of [`Scheme`] for [`Moe`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum MoeScheme {
+    /// Mixtral: `gate.weight`, `experts.{e}.w1/w3/w2`.
+    Mixtral,
+    /// Qwen2-MoE: `experts.{e}.{gate,up,down}_proj`, one `shared_expert.*` and its
+    /// `shared_expert_gate`.
+    Qwen2Moe,
+    /// Qwen3-MoE and OLMoE: `experts.{e}.{gate,up,down}_proj`, nothing else.
+    Qwen3Moe,
+    /// DeepSeek-V3: as Qwen3-MoE, plus `gate.e_score_correction_bias` and ungated
+    /// `shared_experts.*`.
+    DeepseekV3,
+}
+
+impl MoeScheme {
+    /// Every scheme.
+    pub const ALL: [MoeScheme; 4] = [
+        MoeScheme::Mixtral,
+        MoeScheme::Qwen2Moe,
+        MoeScheme::Qwen3Moe,
+        MoeScheme::DeepseekV3,
+    ];
+
+    /// The scheme's name: the `model_type` it is named after.
+    pub const fn name(self) -> &'static str {
+        match self {
+            MoeScheme::Mixtral => "mixtral",
+            MoeScheme::Qwen2Moe => "qwen2_moe",
+            MoeScheme::Qwen3Moe => "qwen3_moe",
+            MoeScheme::DeepseekV3 => "deepseek_v3",
+        }
+    }
+}
+
+impl std::fmt::Display for MoeScheme {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for MoeScheme {
+    type Err = Error;
+
+    /// A scheme's name, or a `model_type` that writes it (`olmoe`: Qwen3-MoE's names).
+    fn from_str(name: &str) -> Result<Self, Error> {
+        let normal = crate::normal_name(name);
+        if normal == "olmoe" {
+            return Ok(MoeScheme::Qwen3Moe);
+        }
+        Self::ALL
+            .into_iter()
+            .find(|s| s.name() == normal)
+            .ok_or_else(|| {
+                Error::Scheme(format!(
+                    "unknown MoE scheme `{name}`; known: {}, olmoe",
+                    Self::ALL.map(MoeScheme::name).join(", ")
+                ))
+            })
+    }
+}
 
 impl HfModel {
     /// The sparse blocks of the checkpoint, found by their keys: a prefix with a router
@@ -136,6 +198,28 @@ impl HfModel {
             self.error(&field, e.to_string())
         })?;
         Ok(config)
+    }
+
+    /// The scheme the sparse blocks are stored in, from their keys: `w1` experts (Mixtral), a
+    /// `shared_expert` (Qwen2-MoE), an `e_score_correction_bias` (DeepSeek-V3), else
+    /// Qwen3-MoE's names.
+    pub fn moe_scheme(&self) -> Result<MoeScheme, Error> {
+        let config = self.moe_config()?;
+        let (_, prefix) = self
+            .sparse_blocks()
+            .into_iter()
+            .next()
+            .expect("moe_config found one");
+        let has = |suffix: &str| self.files.info(&format!("{prefix}{suffix}")).is_some();
+        Ok(if has("experts.0.w1.weight") {
+            MoeScheme::Mixtral
+        } else if config.shared_expert_gate {
+            MoeScheme::Qwen2Moe
+        } else if config.selection_bias {
+            MoeScheme::DeepseekV3
+        } else {
+            MoeScheme::Qwen3Moe
+        })
     }
 
     /// The key prefix of layer `layer`'s sparse block (its router is `{prefix}gate.weight`); an
@@ -266,31 +350,25 @@ impl HfModel {
 
 impl Moe {
     /// The bytes of a safetensors file holding this layer under `prefix` (such as
-    /// `model.layers.3.mlp.`) in the names and layout of `model_type` (`mixtral`, `qwen2_moe`,
-    /// `qwen3_moe`, `deepseek_v3`), as `save_pretrained` writes them: the router, per-expert
-    /// tensors, the shared experts and their gate, DeepSeek-V3's `e_score_correction_bias`.
+    /// `model.layers.3.mlp.`) in the names and layout of `scheme`, as `save_pretrained`
+    /// writes them: the router, per-expert tensors, the shared experts and their gate,
+    /// DeepSeek-V3's `e_score_correction_bias`.
     ///
     /// # Errors
     ///
-    /// [`Error::Scheme`] for another model type, or a layer the type cannot hold (biases in the
-    /// experts or the router, ungated experts, shared experts where the type has none or of
-    /// another form, a missing selection bias for `deepseek_v3`).
+    /// [`Error::Scheme`] for a layer the scheme cannot hold (biases in the experts or the
+    /// router, ungated experts, shared experts where the scheme has none or of another form, a
+    /// missing selection bias for DeepSeek-V3).
     pub fn to_safetensors_bytes_as(
         &self,
-        model_type: &str,
+        scheme: MoeScheme,
         prefix: &str,
     ) -> Result<Vec<u8>, Error> {
         let refuse = |what: &str| {
             Err(Error::Scheme(format!(
-                "a `{model_type}` MoE layer cannot hold this layer: {what}"
+                "a `{scheme}` MoE layer cannot hold this layer: {what}"
             )))
         };
-        if !MOE_TYPES.contains(&model_type) {
-            return Err(Error::Scheme(format!(
-                "`{model_type}` is not a MoE model type; known: {}",
-                MOE_TYPES.join(", ")
-            )));
-        }
         if self.w_gate.is_none() {
             return refuse("its experts are ungated");
         }
@@ -300,14 +378,14 @@ impl Moe {
         if self.router.bias.is_some() {
             return refuse("its router has a bias");
         }
-        let deepseek = model_type == "deepseek_v3";
+        let deepseek = scheme == MoeScheme::DeepseekV3;
         if self.selection_bias.is_some() != deepseek {
             return refuse("the selection bias is DeepSeek-V3's only, and it needs one");
         }
-        let shared_form = match model_type {
-            "qwen2_moe" => (true, true),
-            "deepseek_v3" => (self.shared.is_some(), false),
-            _ => (false, false),
+        let shared_form = match scheme {
+            MoeScheme::Qwen2Moe => (true, true),
+            MoeScheme::DeepseekV3 => (self.shared.is_some(), false),
+            MoeScheme::Mixtral | MoeScheme::Qwen3Moe => (false, false),
         };
         if (self.shared.is_some(), self.shared_gate.is_some()) != shared_form {
             return refuse("its shared experts (or their gate) differ from the type's");
@@ -322,8 +400,8 @@ impl Moe {
                 to_pytorch(bias.val()),
             );
         }
-        let names = match model_type {
-            "mixtral" => ["w1", "w3", "w2"],
+        let names = match scheme {
+            MoeScheme::Mixtral => ["w1", "w3", "w2"],
             _ => ["gate_proj", "up_proj", "down_proj"],
         };
         let stacked = [
@@ -385,11 +463,11 @@ impl Moe {
     pub fn save_safetensors_as(
         &self,
         path: impl AsRef<Path>,
-        model_type: &str,
+        scheme: MoeScheme,
         prefix: &str,
     ) -> Result<(), Error> {
         let path = path.as_ref();
-        let bytes = self.to_safetensors_bytes_as(model_type, prefix)?;
+        let bytes = self.to_safetensors_bytes_as(scheme, prefix)?;
         crate::files::write_atomically(path, &bytes).map_err(|source| Error::Io {
             path: path.to_path_buf(),
             source,

@@ -15,5 +15,6 @@ mod experts;
 mod model;
 mod router;
 
+pub use checkpoint::MoeScheme;
 pub use config::{MAX_EXPERTS, MoeConfig, Scoring};
 pub use model::{Moe, MoeOutput};

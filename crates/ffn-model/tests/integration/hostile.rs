@@ -359,7 +359,8 @@ fn mutated_moe_folders_never_panic() {
                 loaded += 1;
                 let x = burn::tensor::Tensor::<2>::ones([3, moe.d_model()], &device);
                 let _ = moe.forward(x);
-                let _ = moe.to_safetensors_bytes_as(name, "p.");
+                let scheme: ffn_model::MoeScheme = name.parse().unwrap();
+                let _ = moe.to_safetensors_bytes_as(scheme, "p.");
             }
         }
     });

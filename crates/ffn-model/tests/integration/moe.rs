@@ -870,7 +870,14 @@ fn moe_layers_save_back_to_their_checkpoint_names() {
             .load_moe_layer(1, &Device::flex())
             .unwrap();
         let prefix = format!("model.layers.1.{block}.");
-        let saved = moe.to_safetensors_bytes_as(name, &prefix).unwrap();
+        // The scheme the keys show is the model type's (OLMoE's is Qwen3-MoE's).
+        let scheme = HfModel::open(&folder).unwrap().moe_scheme().unwrap();
+        assert_eq!(
+            scheme,
+            name.parse::<ffn_model::MoeScheme>().unwrap(),
+            "{name}"
+        );
+        let saved = moe.to_safetensors_bytes_as(scheme, &prefix).unwrap();
         let saved = safetensors::SafeTensors::deserialize(&saved).unwrap();
         let original = std::fs::read(folder.join("model.safetensors")).unwrap();
         let original = safetensors::SafeTensors::deserialize(&original).unwrap();
@@ -894,9 +901,9 @@ fn moe_layers_save_back_to_their_checkpoint_names() {
             assert!(a.data() == b.data(), "{name} {key}: values differ");
         }
         let other = if name == "deepseek_v3" {
-            "mixtral"
+            ffn_model::MoeScheme::Mixtral
         } else {
-            "deepseek_v3"
+            ffn_model::MoeScheme::DeepseekV3
         };
         assert!(
             matches!(
