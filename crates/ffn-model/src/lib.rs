@@ -49,9 +49,7 @@ mod error;
 /// Bounded reads and atomic writes, shared with `ffn-train`: not part of the crate's API.
 #[doc(hidden)]
 pub mod files;
-pub mod hf;
-mod host;
-pub mod inspect;
+pub mod interop;
 // burn-ndarray is deprecated upstream; it is still a backend the ops support.
 #[allow(deprecated)]
 mod linear;
@@ -63,23 +61,21 @@ mod moe;
 #[allow(deprecated)]
 mod op;
 mod preset;
-mod safetensors;
-pub mod scheme;
-mod weights;
 
 pub use activation::Activation;
 pub use config::{DropoutAt, FeedForwardConfig, MAX_DIM, MAX_MATRIX};
 #[doc(hidden)]
 pub use error::printable;
 pub use error::{ConfigError, Error};
-pub use hf::HfModel;
+pub use interop::hf::HfModel;
+pub use interop::hf::moe::MoeScheme;
+pub use interop::scheme::Scheme;
 #[doc(hidden)]
 pub use linear::linear;
 pub use model::FeedForward;
-pub use moe::{MAX_EXPERTS, Moe, MoeConfig, MoeOutput, MoeScheme, Scoring};
+pub use moe::{MAX_EXPERTS, Moe, MoeConfig, MoeOutput, Scoring};
 pub use op::{Memory, Precision};
 pub use preset::Variant;
-pub use scheme::Scheme;
 
 /// A name as the parsers of activations, variants and schemes compare it: trimmed, ASCII
 /// lower case, `-` read as `_`.

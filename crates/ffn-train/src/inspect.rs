@@ -79,7 +79,7 @@ pub fn inspect(path: &Path, all: bool, out: &mut dyn Write) -> Result<()> {
         }
         model.tensors()
     } else {
-        let contents = ffn_model::inspect::open(path)?;
+        let contents = ffn_model::interop::inspect::open(path)?;
         let metadata: Vec<String> = contents
             .metadata
             .iter()

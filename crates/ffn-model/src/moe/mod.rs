@@ -6,15 +6,14 @@
 //! - `config.rs`: the serde config and its validation;
 //! - `router.rs`: choosing each token's experts (top-k, groups, selection bias, capacity);
 //! - `experts.rs`: the experts as one grouped FFN op with its own backward pass;
-//! - `model.rs`: the layer, its routing weights and auxiliary losses;
-//! - `checkpoint.rs`: the sparse layers of Hugging Face checkpoints.
+//! - `model.rs`: the layer, its routing weights and auxiliary losses.
+//!
+//! The sparse layers of Hugging Face checkpoints load and save in `interop/hf/moe.rs`.
 
-mod checkpoint;
 mod config;
 mod experts;
 mod model;
 mod router;
 
-pub use checkpoint::MoeScheme;
 pub use config::{MAX_EXPERTS, MoeConfig, Scoring};
 pub use model::{Moe, MoeOutput};

@@ -67,15 +67,15 @@ use crate::{Activation, FeedForward, FeedForwardConfig, MoeConfig, Scoring};
 #[derive(Module, Debug)]
 pub struct Moe {
     /// `W_r`, `b_r`: `d_model → n_experts`.
-    pub(super) router: Linear,
+    pub(crate) router: Linear,
     /// `b_sel`, `[E]`: the selection bias (DeepSeek-V3's `e_score_correction_bias`).
-    pub(super) selection_bias: Option<Param<Tensor<1>>>,
+    pub(crate) selection_bias: Option<Param<Tensor<1>>>,
     /// `W_gate`, `[E, d_model, d_ff]` (gated experts).
-    pub(super) w_gate: Option<Param<Tensor<3>>>,
+    pub(crate) w_gate: Option<Param<Tensor<3>>>,
     /// `W_up`, `[E, d_model, d_ff]`.
-    pub(super) w_up: Param<Tensor<3>>,
+    pub(crate) w_up: Param<Tensor<3>>,
     /// `W_down`, `[E, d_ff, d_model]`.
-    pub(super) w_down: Param<Tensor<3>>,
+    pub(crate) w_down: Param<Tensor<3>>,
     /// `b_gate`, `[E, d_ff]`.
     b_gate: Option<Param<Tensor<2>>>,
     /// `b_up`, `[E, d_ff]`.
@@ -83,9 +83,9 @@ pub struct Moe {
     /// `b_down`, `[E, d_model]`.
     b_down: Option<Param<Tensor<2>>>,
     /// The shared experts, as one network.
-    pub(super) shared: Option<FeedForward>,
+    pub(crate) shared: Option<FeedForward>,
     /// `w_s`: `d_model → 1`, the shared experts' gate.
-    pub(super) shared_gate: Option<Linear>,
+    pub(crate) shared_gate: Option<Linear>,
     /// `φ` of the experts, recorded with the weights.
     activation: ActivationState,
     /// Whether to behave as in training (router jitter). Cleared by burn's `valid()`.

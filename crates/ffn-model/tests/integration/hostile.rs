@@ -7,7 +7,7 @@
 
 use std::path::Path;
 
-use ffn_model::inspect;
+use ffn_model::interop::inspect;
 use ffn_model::{Error, FeedForward, FeedForwardConfig, HfModel};
 use ffn_test_support::{Rng, Scratch, data_file, device, property, scratch};
 

@@ -635,7 +635,7 @@ fn bad_folders_give_typed_errors_naming_the_key_or_field() {
 
 #[test]
 fn ffns_are_found_in_any_file() {
-    let find_ffns = |path: PathBuf| ffn_model::inspect::open(&path).unwrap().ffns;
+    let find_ffns = |path: PathBuf| ffn_model::interop::inspect::open(&path).unwrap().ffns;
 
     let t5 = find_ffns(folder("t5-gated").join("model.safetensors"));
     let prefixes: Vec<&str> = t5.iter().map(|f| f.prefix.as_str()).collect();

@@ -10,8 +10,8 @@
 use std::collections::BTreeSet;
 use std::path::Path;
 
-use crate::safetensors::{TensorFile, TensorFiles};
-use crate::scheme::{Role, Slot};
+use crate::interop::safetensors::{TensorFile, TensorFiles};
+use crate::interop::scheme::{Role, Slot};
 use crate::{Activation, Error, FeedForwardConfig, Scheme};
 
 /// What a safetensors file holds.
@@ -40,7 +40,7 @@ pub struct Contents {
 /// let ffn = FeedForwardConfig::new(4, 8).with_gated(true).init(&device);
 /// let path = std::env::temp_dir().join(format!("inspect-doc-{}.safetensors", std::process::id()));
 /// ffn.save_safetensors_as(&path, Scheme::Llama, "model.layers.0.mlp.")?;
-/// let contents = ffn_model::inspect::open(&path)?;
+/// let contents = ffn_model::interop::inspect::open(&path)?;
 /// assert_eq!(contents.ffns[0].prefix, "model.layers.0.mlp.");
 /// assert_eq!(contents.ffns[0].config.d_ff, 8);
 /// assert_eq!(contents.tensors.len(), 3);

@@ -41,13 +41,15 @@
 //! | `gpt_neox`, `falcon`, `bloom` | `….mlp.{dense_h_to_4h,dense_4h_to_h}` | `neox` | `hidden_act`, `activation`, none (tanh GELU) |
 //! | `mixtral`, `qwen2_moe`, `qwen3_moe`, `deepseek_v3` | dense layers as `llama`; sparse layers: [`HfModel::load_moe_layer`] | | see [`HfModel::moe_config`] |
 
+pub mod moe;
+
 use std::path::{Path, PathBuf};
 
 use burn::tensor::Device;
 use serde_json::{Map, Value};
 
 use crate::files;
-use crate::safetensors::{TensorFile, TensorFiles};
+use crate::interop::safetensors::{TensorFile, TensorFiles};
 use crate::{Activation, DropoutAt, Error, FeedForward, FeedForwardConfig, Scheme};
 
 /// A Hugging Face model folder.
@@ -324,7 +326,7 @@ impl HfModel {
             .iter()
             .find_map(|f| self.config.get(*f).and_then(Value::as_u64))
             .map(|n| n as usize);
-        match d_model.and_then(|d| crate::scheme::c_fc_layout(&shape, d)) {
+        match d_model.and_then(|d| crate::interop::scheme::c_fc_layout(&shape, d)) {
             Some(scheme) => scheme,
             None if CONV1D_TYPES.contains(&self.model_type.as_str()) => Scheme::Gpt2,
             None => Scheme::BigCode,
@@ -504,7 +506,7 @@ impl HfModel {
 
     /// The sizes, gating and biases of a dense FFN, read from its tensors.
     fn found_config(&self, ffn: &DenseFfn) -> Result<FeedForwardConfig, Error> {
-        use crate::scheme::{Role, Slot};
+        use crate::interop::scheme::{Role, Slot};
         let slot = |role| ffn.scheme.slot(role, ffn.gated).ok().flatten();
         let up = slot(Role::Up).expect("a detected scheme has an up projection");
         let key = format!("{}{}.weight", ffn.prefix, up.name());

@@ -33,9 +33,9 @@ use burn::nn::Linear;
 use burn::tensor::{Tensor, TensorData};
 
 use crate::files::write_atomically;
-use crate::host::{HostTensor, concat_rows, rows, to_pytorch, transpose};
-use crate::safetensors::{TensorFile, TensorFiles, serialize};
-use crate::scheme::{Role, Slot};
+use crate::interop::host::{HostTensor, concat_rows, rows, to_pytorch, transpose};
+use crate::interop::safetensors::{TensorFile, TensorFiles, serialize};
+use crate::interop::scheme::{Role, Slot};
 use crate::{Activation, Error, FeedForward, Scheme};
 
 const ACTIVATION_KEY: &str = "ffn.activation";
@@ -78,7 +78,9 @@ impl FeedForward {
                 // `c_fc_layout`), else GPT-2's `Conv1D`.
                 Scheme::Gpt2 => files
                     .info(&format!("{prefix}c_fc.weight"))
-                    .and_then(|info| crate::scheme::c_fc_layout(&info.shape, self.d_model()))
+                    .and_then(|info| {
+                        crate::interop::scheme::c_fc_layout(&info.shape, self.d_model())
+                    })
                     .unwrap_or(Scheme::Gpt2),
                 scheme => scheme,
             },

@@ -28,9 +28,9 @@ use burn::module::Param;
 use burn::tensor::{Device, Tensor, TensorData};
 use serde_json::Value;
 
-use crate::host::{HostTensor, to_pytorch, transpose};
-use crate::safetensors::{TensorFiles, serialize};
-use crate::weights::load_param;
+use crate::interop::host::{HostTensor, to_pytorch, transpose};
+use crate::interop::safetensors::{TensorFiles, serialize};
+use crate::interop::weights::load_param;
 use crate::{Error, HfModel, Moe, MoeConfig, Scheme, Scoring};
 
 /// The names and layout of a sparse block in a Hugging Face checkpoint, as

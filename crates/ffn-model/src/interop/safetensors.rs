@@ -14,7 +14,7 @@ use burn::tensor::{DType, TensorData};
 
 use crate::Error;
 use crate::files::open_regular;
-use crate::host::HostTensor;
+use crate::interop::host::HostTensor;
 
 /// Largest header accepted (the format's own limit).
 const MAX_HEADER: u64 = 100 * 1024 * 1024;
