@@ -391,6 +391,42 @@ fn inspect_shows_tensors_schemes_and_configs() {
     ] {
         assert!(text.contains(expected), "`{expected}` not in:\n{text}");
     }
+    // Families found by their names and fields: each shows its scheme and layer prefix.
+    for (name, model_type, scheme, layer1) in [
+        ("phi3", "phi3", "gate_up_proj", "model.layers.1.mlp."),
+        (
+            "modernbert",
+            "modernbert",
+            "modernbert",
+            "model.layers.1.mlp.",
+        ),
+        (
+            "gpt_bigcode",
+            "gpt_bigcode",
+            "bigcode",
+            "transformer.h.1.mlp.",
+        ),
+        ("opt", "opt", "fc", "model.decoder.layers.1."),
+        ("bart", "bart", "fc", "model.encoder.layers.1."),
+    ] {
+        let out = ffn_train(&["inspect", fixtures.join(name).to_str().unwrap()], &dir);
+        assert!(out.status.success(), "{}", stderr(&out));
+        let text = stdout(&out);
+        for expected in [
+            format!("Hugging Face `{model_type}` model, 2 layers, FFN scheme `{scheme}`"),
+            format!("layer 1: prefix `{layer1}`"),
+        ] {
+            assert!(text.contains(&expected), "`{expected}` not in:\n{text}");
+        }
+    }
+    let out = ffn_train(&["inspect", fixtures.join("olmoe").to_str().unwrap()], &dir);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    assert!(
+        text.contains("layer 1: sparse (MoE), prefix `model.layers.1.mlp.`")
+            && text.contains("4 experts of d_ff 12, top-2"),
+        "{text}"
+    );
     let out = ffn_train(
         &["inspect", fixtures.join("mixtral").to_str().unwrap()],
         &dir,
