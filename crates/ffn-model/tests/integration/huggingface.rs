@@ -363,13 +363,13 @@ fn packed_layouts_put_the_gate_first() {
     ));
 }
 
-/// A copy of a fixture folder with its config.json edited and/or tensors dropped or retyped.
-fn altered(
+/// A copy of fixture `name` in a scratch folder, with `edit_config` applied to its config
+/// and `edit` to each tensor (name, dtype, shape, bytes), which it drops by returning false.
+fn edited(
     name: &str,
     tag: &str,
     edit_config: impl Fn(&mut serde_json::Value),
-    drop: &[&str],
-    int_key: Option<&str>,
+    edit: impl Fn(&str, &mut safetensors::Dtype, &mut Vec<usize>, &mut Vec<u8>) -> bool,
 ) -> Scratch {
     let dir = scratch(&format!("hf-{name}-{tag}"));
     let mut config: serde_json::Value =
@@ -382,14 +382,10 @@ fn altered(
     let kept: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = file
         .tensors()
         .into_iter()
-        .filter(|(k, _)| !drop.contains(&k.as_str()))
-        .map(|(k, v)| {
-            let dtype = if Some(k.as_str()) == int_key {
-                safetensors::Dtype::I32
-            } else {
-                v.dtype()
-            };
-            (k, dtype, v.shape().to_vec(), v.data().to_vec())
+        .filter_map(|(k, v)| {
+            let (mut dtype, mut shape, mut data) =
+                (v.dtype(), v.shape().to_vec(), v.data().to_vec());
+            edit(&k, &mut dtype, &mut shape, &mut data).then_some((k, dtype, shape, data))
         })
         .collect();
     let views = kept.iter().map(|(k, d, s, b)| {
@@ -406,37 +402,37 @@ fn altered(
     dir
 }
 
-/// A copy of fixture `name` whose tensor `key` keeps only its first `rows` rows.
+/// Fixture `name` with `edit_config` applied, the tensors `drop` left out, and `int_key`
+/// (if any) relabelled as I32.
+fn altered(
+    name: &str,
+    tag: &str,
+    edit_config: impl Fn(&mut serde_json::Value),
+    drop: &[&str],
+    int_key: Option<&str>,
+) -> Scratch {
+    edited(name, tag, edit_config, |k, dtype, _, _| {
+        if Some(k) == int_key {
+            *dtype = safetensors::Dtype::I32;
+        }
+        !drop.contains(&k)
+    })
+}
+
+/// Fixture `name` whose tensor `key` keeps only its first `rows` rows.
 fn truncated(name: &str, tag: &str, key: &str, rows: usize) -> Scratch {
-    let dir = scratch(&format!("hf-{name}-{tag}"));
-    std::fs::copy(folder(name).join("config.json"), dir.join("config.json")).unwrap();
-    let bytes = std::fs::read(folder(name).join("model.safetensors")).unwrap();
-    let file = SafeTensors::deserialize(&bytes).unwrap();
-    let kept: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = file
-        .tensors()
-        .into_iter()
-        .map(|(k, v)| {
-            let mut shape = v.shape().to_vec();
-            let mut data = v.data().to_vec();
+    edited(
+        name,
+        tag,
+        |_| {},
+        |k, _, shape, data| {
             if k == key {
                 data.truncate(data.len() / shape[0] * rows);
                 shape[0] = rows;
             }
-            (k, v.dtype(), shape, data)
-        })
-        .collect();
-    let views = kept.iter().map(|(k, d, s, b)| {
-        (
-            k.clone(),
-            safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap(),
-        )
-    });
-    std::fs::write(
-        dir.join("model.safetensors"),
-        safetensors::serialize(views, None).unwrap(),
+            true
+        },
     )
-    .unwrap();
-    dir
 }
 
 /// The packed layouts of the generic reader: a packed `[gate; up]` with an odd number of rows
