@@ -15,7 +15,8 @@ input x of shape [2, 5, hidden] and the loss L = Σ y ⊙ g:
 
 into <name>/moe_io.safetensors. Types: mixtral (softmax, top-2 renormalised), qwen2_moe
 (softmax, top-2 not renormalised, a shared expert gated by σ), qwen3_moe (softmax, top-2
-renormalised), olmoe (softmax, top-2 not renormalised), deepseek_v3 (sigmoid scores, 4 groups of 2, top-2 groups, a non-zero
+renormalised), olmoe (softmax, top-2 not renormalised), granitemoe (softmax of the top-2
+logits, experts packed as input_linear/output_linear), deepseek_v3 (sigmoid scores, 4 groups of 2, top-2 groups, a non-zero
 e_score_correction_bias, routed scaling 2.5, a shared expert; layer 0 dense).
 
     pip install torch transformers safetensors && python3 tools/moe_fixtures.py [NAME ...]
@@ -47,6 +48,8 @@ def models():
         "olmoe": (transformers.OlmoeForCausalLM, transformers.OlmoeConfig(
             **common, intermediate_size=EXPERT, num_experts=4, num_experts_per_tok=2,
             norm_topk_prob=False)),
+        "granitemoe": (transformers.GraniteMoeForCausalLM, transformers.GraniteMoeConfig(
+            **common, intermediate_size=EXPERT, num_local_experts=4, num_experts_per_tok=2)),
         "deepseek_v3": (transformers.DeepseekV3ForCausalLM, transformers.DeepseekV3Config(
             **common, intermediate_size=20, moe_intermediate_size=EXPERT, n_routed_experts=8,
             num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1,
@@ -71,17 +74,19 @@ def main(only):
         folder = OUT / name
         shutil.rmtree(folder, ignore_errors=True)
         model.save_pretrained(folder)
-        block = model.model.layers[1].mlp.double()
+        layer = model.model.layers[1]
+        block = (layer.mlp if hasattr(layer, "mlp") else layer.block_sparse_moe).double()
+        router = block.gate if hasattr(block, "gate") else block.router
         x = torch.randn(2, 5, HIDDEN, dtype=torch.float64, requires_grad=True)
         g = torch.randn(2, 5, HIDDEN, dtype=torch.float64)
         y = block(x)
         (y * g).sum().backward()
-        logits = torch.nn.functional.linear(x.reshape(-1, HIDDEN), block.gate.weight)
+        logits = torch.nn.functional.linear(x.reshape(-1, HIDDEN), router.weight)
         f = block.experts.gate_up_proj.shape[1] // 2
         grad = block.experts.gate_up_proj.grad[1]
         golden = {
             "x": x, "g": g, "y": y, "router_logits": logits, "dx": x.grad,
-            "d_router": block.gate.weight.grad,
+            "d_router": router.weight.grad,
             "d_gate": grad[:f], "d_up": grad[f:], "d_down": block.experts.down_proj.grad[1],
         }
         save_file({k: v.detach().contiguous().double() for k, v in golden.items()},

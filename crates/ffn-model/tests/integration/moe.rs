@@ -699,7 +699,14 @@ fn random_configs_validate_or_run() {
 fn hugging_face_moe_layers_match_transformers() {
     use ffn_model::HfModel;
     use ffn_test_support::read_f64;
-    for name in ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3"] {
+    for name in [
+        "mixtral",
+        "qwen2_moe",
+        "qwen3_moe",
+        "olmoe",
+        "granitemoe",
+        "deepseek_v3",
+    ] {
         let folder = ffn_test_support::data_file(&format!("hf/{name}"));
         let mut model = HfModel::open(&folder).unwrap();
         let bytes = std::fs::read(folder.join("moe_io.safetensors")).unwrap();
@@ -862,6 +869,7 @@ fn moe_layers_save_back_to_their_checkpoint_names() {
         ("qwen2_moe", "mlp"),
         ("qwen3_moe", "mlp"),
         ("olmoe", "mlp"),
+        ("granitemoe", "block_sparse_moe"),
         ("deepseek_v3", "mlp"),
     ] {
         let folder = ffn_test_support::data_file(&format!("hf/{name}"));

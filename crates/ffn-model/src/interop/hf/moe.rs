@@ -1,7 +1,7 @@
 //! # The sparse layers of Hugging Face MoE checkpoints
 //!
-//! A sparse block is found by its keys: a router `{prefix}gate.weight` with `{prefix}experts.…`
-//! beside it (the layer is the prefix's first number). [`HfModel::moe_config`] reads the
+//! A sparse block is found by its keys: a router (`{prefix}gate.weight`, or
+//! `router.layer.weight`) with experts beside it (`{prefix}experts.…`, or packed) (the layer is the prefix's first number). [`HfModel::moe_config`] reads the
 //! layer's shape and routing from `config.json` and the keys (a `shared_expert.` and its
 //! `shared_expert_gate`; `shared_experts.`; an `e_score_correction_bias`, which means
 //! DeepSeek-V3's sigmoid routing), [`HfModel::load_moe_layer`] loads one sparse layer (router,
@@ -14,6 +14,7 @@
 //! | `qwen2_moe` | `model.layers.i.mlp.` | `experts.{e}.{gate,up,down}_proj`, `shared_expert.*`, `shared_expert_gate` | `num_experts`, `moe_intermediate_size`, `norm_topk_prob`, `shared_expert_intermediate_size` |
 //! | `qwen3_moe` | `model.layers.i.mlp.` | `experts.{e}.{gate,up,down}_proj` | `num_experts` (or `num_local_experts`), `moe_intermediate_size`, `norm_topk_prob` |
 //! | `olmoe` | `model.layers.i.mlp.` | `experts.{e}.{gate,up,down}_proj` | `num_experts`, `intermediate_size`, `norm_topk_prob` (false: the top k not renormalised) |
+//! | `granitemoe` | `model.layers.i.block_sparse_moe.` | `router.layer.weight`; packed `input_linear.weight`, `output_linear.weight` | `num_local_experts`, `intermediate_size` (softmax of the top-k logits) |
 //! | `deepseek_v3` | `model.layers.i.mlp.` | `experts.{e}.{gate,up,down}_proj`, `shared_experts.*`, `gate.e_score_correction_bias` | `n_routed_experts`, `moe_intermediate_size`, `n_group`, `topk_group`, `n_shared_experts`, `routed_scaling_factor`, `norm_topk_prob` |
 //!
 //! Every type also accepts the packed layout that `transformers` holds in memory (and some
@@ -49,15 +50,29 @@ pub enum MoeScheme {
     /// DeepSeek-V3: as Qwen3-MoE, plus `gate.e_score_correction_bias` and ungated
     /// `shared_experts.*`.
     DeepseekV3,
+    /// GraniteMoE: `router.layer.weight`, the experts packed as `input_linear.weight`
+    /// `[E, 2·d_ff, d_model]` (gate rows first) and `output_linear.weight` `[E, d_model, d_ff]`.
+    GraniteMoe,
 }
+
+/// The names a sparse block's router has (`{prefix}…`), and those of its experts when they
+/// are packed: `([gate; up] [E, 2·d_ff, d_model], down [E, d_model, d_ff])`. `transformers`
+/// holds every type packed as `experts.gate_up_proj` in memory (and some exports write it);
+/// GraniteMoE's files are packed as `input_linear`/`output_linear`.
+const ROUTERS: [&str; 2] = ["gate.weight", "router.layer.weight"];
+const PACKED: [(&str, &str); 2] = [
+    ("experts.gate_up_proj", "experts.down_proj"),
+    ("input_linear.weight", "output_linear.weight"),
+];
 
 impl MoeScheme {
     /// Every scheme.
-    pub const ALL: [MoeScheme; 4] = [
+    pub const ALL: [MoeScheme; 5] = [
         MoeScheme::Mixtral,
         MoeScheme::Qwen2Moe,
         MoeScheme::Qwen3Moe,
         MoeScheme::DeepseekV3,
+        MoeScheme::GraniteMoe,
     ];
 
     /// The scheme's name: the `model_type` it is named after.
@@ -67,6 +82,7 @@ impl MoeScheme {
             MoeScheme::Qwen2Moe => "qwen2_moe",
             MoeScheme::Qwen3Moe => "qwen3_moe",
             MoeScheme::DeepseekV3 => "deepseek_v3",
+            MoeScheme::GraniteMoe => "granitemoe",
         }
     }
 }
@@ -99,18 +115,21 @@ impl std::str::FromStr for MoeScheme {
 }
 
 impl HfModel {
-    /// The sparse blocks of the checkpoint, found by their keys: a prefix with a router
-    /// `{prefix}gate.weight` and experts `{prefix}experts.…` beside it, and its layer (the
+    /// The sparse blocks of the checkpoint, found by their keys: a prefix with a router (one of
+    /// `ROUTERS`) and experts beside it (`{prefix}experts.…`, or packed), and its layer (the
     /// prefix's first number), in layer order.
     fn sparse_blocks(&self) -> Vec<(usize, String)> {
         let mut blocks: Vec<(usize, String)> = self
             .files
             .keys()
-            .filter_map(|key| key.strip_suffix("gate.weight"))
+            .filter_map(|key| ROUTERS.iter().find_map(|r| key.strip_suffix(r)))
             .filter(|p| p.is_empty() || p.ends_with('.'))
             .filter(|p| {
                 let experts = format!("{p}experts.");
                 self.files.keys().any(|k| k.starts_with(&experts))
+                    || PACKED
+                        .iter()
+                        .any(|(gate_up, _)| self.files.info(&format!("{p}{gate_up}")).is_some())
             })
             .filter_map(|p| {
                 let layer = p.split('.').find_map(|part| part.parse::<usize>().ok())?;
@@ -118,7 +137,18 @@ impl HfModel {
             })
             .collect();
         blocks.sort();
+        blocks.dedup();
         blocks
+    }
+
+    /// The key of the router of the block at `prefix`.
+    fn router_key(&self, prefix: &str) -> String {
+        let key = |r: &str| format!("{prefix}{r}");
+        ROUTERS
+            .iter()
+            .map(|r| key(r))
+            .find(|k| self.files.info(k).is_some())
+            .unwrap_or_else(|| key(ROUTERS[0]))
     }
 
     /// The [`MoeConfig`] of the model's sparse layers: the experts' and router's shapes from
@@ -211,7 +241,9 @@ impl HfModel {
             .next()
             .expect("moe_config found one");
         let has = |suffix: &str| self.files.info(&format!("{prefix}{suffix}")).is_some();
-        Ok(if has("experts.0.w1.weight") {
+        Ok(if has("router.layer.weight") {
+            MoeScheme::GraniteMoe
+        } else if has("experts.0.w1.weight") {
             MoeScheme::Mixtral
         } else if config.shared_expert_gate {
             MoeScheme::Qwen2Moe
@@ -255,12 +287,13 @@ impl HfModel {
         // Every tensor is read (and its shape checked against config.json) before the layer
         // is built: a config whose sizes disagree with the file allocates nothing.
         let (e_count, d, f) = (config.n_experts, config.d_model(), config.expert.d_ff);
+        let router_key = self.router_key(&prefix);
         let mut reader = Reader {
             files: &mut self.files,
             used: Vec::new(),
         };
 
-        let router = reader.take(&format!("{prefix}gate.weight"), &[e_count, d])?;
+        let router = reader.take(&router_key, &[e_count, d])?;
         let bias = if config.selection_bias {
             Some(reader.take(&format!("{prefix}gate.e_score_correction_bias"), &[e_count])?)
         } else {
@@ -276,12 +309,15 @@ impl HfModel {
         } else {
             ["gate_proj", "up_proj", "down_proj"]
         };
-        let packed = format!("{prefix}experts.gate_up_proj");
+        let packed = PACKED
+            .iter()
+            .map(|(gate_up, down)| (format!("{prefix}{gate_up}"), format!("{prefix}{down}")))
+            .find(|(gate_up, _)| reader.files.info(gate_up).is_some());
         // [gate, up, down] stacked in burn's layout: [E, d, f], [E, d, f], [E, f, d].
         let mut stacked = [Vec::new(), Vec::new(), Vec::new()];
-        if reader.files.info(&packed).is_some() {
+        if let Some((packed, down)) = packed {
             let gate_up = reader.take(&packed, &[e_count, 2 * f, d])?;
-            let down = reader.take(&format!("{prefix}experts.down_proj"), &[e_count, d, f])?;
+            let down = reader.take(&down, &[e_count, d, f])?;
             let (gate_up, down) = (values(&gate_up), values(&down));
             for e in 0..e_count {
                 let block = &gate_up[e * 2 * f * d..(e + 1) * 2 * f * d];
@@ -385,7 +421,7 @@ impl Moe {
         let shared_form = match scheme {
             MoeScheme::Qwen2Moe => (true, true),
             MoeScheme::DeepseekV3 => (self.shared.is_some(), false),
-            MoeScheme::Mixtral | MoeScheme::Qwen3Moe => (false, false),
+            MoeScheme::Mixtral | MoeScheme::Qwen3Moe | MoeScheme::GraniteMoe => (false, false),
         };
         if (self.shared.is_some(), self.shared_gate.is_some()) != shared_form {
             return refuse("its shared experts (or their gate) differ from the type's");
@@ -393,7 +429,13 @@ impl Moe {
         let mut tensors: Vec<(String, HostTensor)> = Vec::new();
         let mut put =
             |name: String, tensor: HostTensor| tensors.push((format!("{prefix}{name}"), tensor));
-        put("gate.weight".into(), to_pytorch(self.router.weight.val()));
+        let granite = scheme == MoeScheme::GraniteMoe;
+        let router = if granite {
+            "router.layer.weight"
+        } else {
+            "gate.weight"
+        };
+        put(router.into(), to_pytorch(self.router.weight.val()));
         if let Some(bias) = &self.selection_bias {
             put(
                 "gate.e_score_correction_bias".into(),
@@ -409,7 +451,16 @@ impl Moe {
             &self.w_up,
             &self.w_down,
         ];
-        for e in 0..self.n_experts() {
+        if granite {
+            // Packed in PyTorch's layout: [E, 2·d_ff, d_model] (gate rows first), [E, d_model, d_ff].
+            let [gate, up, down] = stacked.map(|p| p.val().swap_dims(1, 2));
+            put(
+                "input_linear.weight".into(),
+                to_pytorch(Tensor::cat(vec![gate, up], 1)),
+            );
+            put("output_linear.weight".into(), to_pytorch(down));
+        }
+        for e in (0..self.n_experts()).filter(|_| !granite) {
             for (name, param) in names.iter().zip(stacked) {
                 let matrix = |p: &Param<Tensor<3>>| p.val().narrow(0, e, 1).squeeze_dim::<2>(0);
                 put(
