@@ -16,7 +16,8 @@ input x of shape [2, 5, hidden] and the loss L = Σ y ⊙ g:
 into <name>/moe_io.safetensors. Types: mixtral (softmax, top-2 renormalised), qwen2_moe
 (softmax, top-2 not renormalised, a shared expert gated by σ), qwen3_moe (softmax, top-2
 renormalised), olmoe (softmax, top-2 not renormalised), granitemoe (softmax of the top-2
-logits, experts packed as input_linear/output_linear), deepseek_v3 (sigmoid scores, 4 groups of 2, top-2 groups, a non-zero
+logits, experts packed as input_linear/output_linear), qwen3_next (as qwen2_moe, renormalised;
+its attention layers all full attention here), deepseek_v3 (sigmoid scores, 4 groups of 2, top-2 groups, a non-zero
 e_score_correction_bias, routed scaling 2.5, a shared expert; layer 0 dense).
 
     pip install torch transformers safetensors && python3 tools/moe_fixtures.py [NAME ...]
@@ -50,6 +51,11 @@ def models():
             norm_topk_prob=False)),
         "granitemoe": (transformers.GraniteMoeForCausalLM, transformers.GraniteMoeConfig(
             **common, intermediate_size=EXPERT, num_local_experts=4, num_experts_per_tok=2)),
+        "qwen3_next": (transformers.Qwen3NextForCausalLM, transformers.Qwen3NextConfig(
+            **common, intermediate_size=20, moe_intermediate_size=EXPERT, num_experts=4,
+            num_experts_per_tok=2, norm_topk_prob=True, shared_expert_intermediate_size=20,
+            head_dim=8, layer_types=["full_attention", "full_attention"], decoder_sparse_step=1,
+            mlp_only_layers=[])),
         "deepseek_v3": (transformers.DeepseekV3ForCausalLM, transformers.DeepseekV3Config(
             **common, intermediate_size=20, moe_intermediate_size=EXPERT, n_routed_experts=8,
             num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1,

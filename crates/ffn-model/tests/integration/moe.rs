@@ -705,6 +705,7 @@ fn hugging_face_moe_layers_match_transformers() {
         "qwen3_moe",
         "olmoe",
         "granitemoe",
+        "qwen3_next",
         "deepseek_v3",
     ] {
         let folder = ffn_test_support::data_file(&format!("hf/{name}"));
@@ -870,6 +871,7 @@ fn moe_layers_save_back_to_their_checkpoint_names() {
         ("qwen3_moe", "mlp"),
         ("olmoe", "mlp"),
         ("granitemoe", "block_sparse_moe"),
+        ("qwen3_next", "mlp"),
         ("deepseek_v3", "mlp"),
     ] {
         let folder = ffn_test_support::data_file(&format!("hf/{name}"));

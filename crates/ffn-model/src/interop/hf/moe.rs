@@ -14,6 +14,7 @@
 //! | `qwen2_moe` | `model.layers.i.mlp.` | `experts.{e}.{gate,up,down}_proj`, `shared_expert.*`, `shared_expert_gate` | `num_experts`, `moe_intermediate_size`, `norm_topk_prob`, `shared_expert_intermediate_size` |
 //! | `qwen3_moe` | `model.layers.i.mlp.` | `experts.{e}.{gate,up,down}_proj` | `num_experts` (or `num_local_experts`), `moe_intermediate_size`, `norm_topk_prob` |
 //! | `olmoe` | `model.layers.i.mlp.` | `experts.{e}.{gate,up,down}_proj` | `num_experts`, `intermediate_size`, `norm_topk_prob` (false: the top k not renormalised) |
+//! | `qwen3_next` | `model.layers.i.mlp.` | as `qwen2_moe` | as `qwen2_moe` (found by the same keys: no code of its own) |
 //! | `granitemoe` | `model.layers.i.block_sparse_moe.` | `router.layer.weight`; packed `input_linear.weight`, `output_linear.weight` | `num_local_experts`, `intermediate_size` (softmax of the top-k logits) |
 //! | `deepseek_v3` | `model.layers.i.mlp.` | `experts.{e}.{gate,up,down}_proj`, `shared_experts.*`, `gate.e_score_correction_bias` | `n_routed_experts`, `moe_intermediate_size`, `n_group`, `topk_group`, `n_shared_experts`, `routed_scaling_factor`, `norm_topk_prob` |
 //!
@@ -42,8 +43,8 @@ use crate::{Error, HfModel, Moe, MoeConfig, Scheme, Scoring};
 pub enum MoeScheme {
     /// Mixtral: `gate.weight`, `experts.{e}.w1/w3/w2`.
     Mixtral,
-    /// Qwen2-MoE: `experts.{e}.{gate,up,down}_proj`, one `shared_expert.*` and its
-    /// `shared_expert_gate`.
+    /// Qwen2-MoE and Qwen3-Next: `experts.{e}.{gate,up,down}_proj`, one `shared_expert.*` and
+    /// its `shared_expert_gate`.
     Qwen2Moe,
     /// Qwen3-MoE and OLMoE: `experts.{e}.{gate,up,down}_proj`, nothing else.
     Qwen3Moe,
@@ -96,18 +97,21 @@ impl std::fmt::Display for MoeScheme {
 impl std::str::FromStr for MoeScheme {
     type Err = Error;
 
-    /// A scheme's name, or a `model_type` that writes it (`olmoe`: Qwen3-MoE's names).
+    /// A scheme's name, or a `model_type` that writes it (`olmoe`: Qwen3-MoE's names;
+    /// `qwen3_next`: Qwen2-MoE's).
     fn from_str(name: &str) -> Result<Self, Error> {
         let normal = crate::normal_name(name);
-        if normal == "olmoe" {
-            return Ok(MoeScheme::Qwen3Moe);
+        match normal.as_str() {
+            "olmoe" => return Ok(MoeScheme::Qwen3Moe),
+            "qwen3_next" => return Ok(MoeScheme::Qwen2Moe),
+            _ => {}
         }
         Self::ALL
             .into_iter()
             .find(|s| s.name() == normal)
             .ok_or_else(|| {
                 Error::Scheme(format!(
-                    "unknown MoE scheme `{name}`; known: {}, olmoe",
+                    "unknown MoE scheme `{name}`; known: {}, olmoe, qwen3_next",
                     Self::ALL.map(MoeScheme::name).join(", ")
                 ))
             })
