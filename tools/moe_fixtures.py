@@ -17,7 +17,9 @@ into <name>/moe_io.safetensors. Types: mixtral (softmax, top-2 renormalised), qw
 (softmax, top-2 not renormalised, a shared expert gated by σ), qwen3_moe (softmax, top-2
 renormalised), olmoe (softmax, top-2 not renormalised), granitemoe (softmax of the top-2
 logits, experts packed as input_linear/output_linear), qwen3_next (as qwen2_moe, renormalised;
-its attention layers all full attention here), deepseek_v3 (sigmoid scores, 4 groups of 2, top-2 groups, a non-zero
+its attention layers all full attention here), deepseek_v2 (softmax, 4 groups of 2 scored by
+their best, top-2 groups, top-2 not renormalised, routed scaling 2.5, a shared expert; layer 0
+dense), deepseek_v3 (sigmoid scores, 4 groups of 2, top-2 groups, a non-zero
 e_score_correction_bias, routed scaling 2.5, a shared expert; layer 0 dense).
 
     pip install torch transformers safetensors && python3 tools/moe_fixtures.py [NAME ...]
@@ -56,6 +58,12 @@ def models():
             num_experts_per_tok=2, norm_topk_prob=True, shared_expert_intermediate_size=20,
             head_dim=8, layer_types=["full_attention", "full_attention"], decoder_sparse_step=1,
             mlp_only_layers=[])),
+        "deepseek_v2": (transformers.DeepseekV2ForCausalLM, transformers.DeepseekV2Config(
+            **common, intermediate_size=20, moe_intermediate_size=EXPERT, n_routed_experts=8,
+            num_experts_per_tok=2, n_group=4, topk_group=2, topk_method="group_limited_greedy",
+            n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=False,
+            first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=8, qk_rope_head_dim=4,
+            qk_nope_head_dim=4, v_head_dim=8)),
         "deepseek_v3": (transformers.DeepseekV3ForCausalLM, transformers.DeepseekV3Config(
             **common, intermediate_size=20, moe_intermediate_size=EXPERT, n_routed_experts=8,
             num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1,

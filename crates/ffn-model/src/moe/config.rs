@@ -84,6 +84,10 @@ pub struct MoeConfig {
     /// Groups a token may use, `1 ≤ topk_group ≤ n_group`.
     #[serde(default = "one_usize")]
     pub topk_group: usize,
+    /// A group's score is the sum of its `group_score_top` best selection scores: 2 for
+    /// DeepSeek-V3 (the default), 1 (the best one) for DeepSeek-V2's `group_limited_greedy`.
+    #[serde(default = "two_usize")]
+    pub group_score_top: usize,
     /// A per-expert bias added to the scores for choosing experts, never for weighting them
     /// (DeepSeek-V3's `e_score_correction_bias`). It is not trained by gradients: see
     /// [`Moe::update_selection_bias`](crate::Moe::update_selection_bias).
@@ -137,6 +141,10 @@ fn bias_update_rate() -> f64 {
     0.001
 }
 
+fn two_usize() -> usize {
+    2
+}
+
 fn load_balancing_coef() -> f64 {
     0.01
 }
@@ -161,6 +169,7 @@ impl MoeConfig {
             router_bias: false,
             n_group: 1,
             topk_group: 1,
+            group_score_top: 2,
             selection_bias: false,
             bias_update_rate: bias_update_rate(),
             jitter: 0.0,
@@ -201,6 +210,13 @@ impl MoeConfig {
     pub fn with_groups(mut self, n_group: usize, topk_group: usize) -> Self {
         self.n_group = n_group;
         self.topk_group = topk_group;
+        self
+    }
+
+    /// Sets how many of a group's best selection scores make its score (see
+    /// [`group_score_top`](Self::group_score_top)).
+    pub fn with_group_score_top(mut self, top: usize) -> Self {
+        self.group_score_top = top;
         self
     }
 
@@ -285,6 +301,7 @@ impl MoeConfig {
             ("top_k", self.top_k),
             ("n_group", self.n_group),
             ("topk_group", self.topk_group),
+            ("group_score_top", self.group_score_top),
         ] {
             if value == 0 {
                 return Err(ConfigError::ZeroSize { field });

@@ -277,6 +277,7 @@ impl Moe {
             top_k: self.config.top_k,
             n_group: self.config.n_group,
             topk_group: self.config.topk_group,
+            group_score_top: self.config.group_score_top,
             capacity: self.config.capacity(tokens),
         };
         route(&p, bias.as_deref(), tokens, spec)

@@ -7,7 +7,8 @@
 //!
 //! ```text
 //! s_t = p_t + b                         selection scores (b: the selection bias, or 0)
-//! G_t = top_topk_group over groups g of  Σ top-2 { s_te : e ∈ g }      (group-limited routing)
+//! G_t = top_topk_group over groups g of  Σ top-m { s_te : e ∈ g }      (group-limited routing;
+//!                                         m = group_score_top: 2 DeepSeek-V3, 1 DeepSeek-V2)
 //! S_t = top_k { s_te : e ∈ ∪ G_t }      the token's experts, best first
 //! ```
 //!
@@ -30,6 +31,8 @@ pub(crate) struct RouteSpec {
     pub top_k: usize,
     pub n_group: usize,
     pub topk_group: usize,
+    /// How many of a group's best scores make its score.
+    pub group_score_top: usize,
     /// The most pairs an expert admits; `None`: dropless.
     pub capacity: Option<usize>,
 }
@@ -93,6 +96,7 @@ pub(crate) fn route(
         top_k: k,
         n_group,
         topk_group,
+        group_score_top,
         capacity,
     } = spec;
     debug_assert_eq!(scores.len(), tokens * e_count);
@@ -105,10 +109,11 @@ pub(crate) fn route(
             *value = p[e] + bias.map_or(0.0, |b| b[e]);
         }
         if n_group > 1 {
-            // Σ of the two best selection scores of each group (the best one for groups of one).
+            // Σ of the `group_score_top` best selection scores of each group (all of them in
+            // groups that small).
             let group_score = |g: usize| -> f32 {
                 let members = &s[g * group_size..(g + 1) * group_size];
-                top(members.iter().copied().enumerate(), 2)
+                top(members.iter().copied().enumerate(), group_score_top)
                     .into_iter()
                     .map(|i| members[i])
                     .sum()
@@ -184,6 +189,7 @@ mod tests {
             top_k,
             n_group: 1,
             topk_group: 1,
+            group_score_top: 2,
             capacity: None,
         }
     }
@@ -223,6 +229,9 @@ mod tests {
         s.topk_group = 1;
         s.top_k = 2;
         assert_eq!(route(&scores, None, 1, s).selected, vec![2, 3]);
+        // Scored by its best member (DeepSeek-V2): 0.2, 0.5, 0.9, 0.1 → group 2.
+        s.group_score_top = 1;
+        assert_eq!(route(&scores, None, 1, s).selected, vec![5, 4]);
     }
 
     #[test]

@@ -706,6 +706,7 @@ fn hugging_face_moe_layers_match_transformers() {
         "olmoe",
         "granitemoe",
         "qwen3_next",
+        "deepseek_v2",
         "deepseek_v3",
     ] {
         let folder = ffn_test_support::data_file(&format!("hf/{name}"));
@@ -872,6 +873,7 @@ fn moe_layers_save_back_to_their_checkpoint_names() {
         ("olmoe", "mlp"),
         ("granitemoe", "block_sparse_moe"),
         ("qwen3_next", "mlp"),
+        ("deepseek_v2", "mlp"),
         ("deepseek_v3", "mlp"),
     ] {
         let folder = ffn_test_support::data_file(&format!("hf/{name}"));

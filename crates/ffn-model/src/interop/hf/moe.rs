@@ -15,6 +15,7 @@
 //! | `qwen3_moe` | `model.layers.i.mlp.` | `experts.{e}.{gate,up,down}_proj` | `num_experts` (or `num_local_experts`), `moe_intermediate_size`, `norm_topk_prob` |
 //! | `olmoe` | `model.layers.i.mlp.` | `experts.{e}.{gate,up,down}_proj` | `num_experts`, `intermediate_size`, `norm_topk_prob` (false: the top k not renormalised) |
 //! | `qwen3_next` | `model.layers.i.mlp.` | as `qwen2_moe` | as `qwen2_moe` (found by the same keys: no code of its own) |
+//! | `deepseek_v2` | `model.layers.i.mlp.` | as `deepseek_v3`, without the bias | `n_routed_experts`, `moe_intermediate_size`, `topk_method` (`greedy`, `group_limited_greedy`: groups scored by their best), `n_shared_experts`, `routed_scaling_factor` |
 //! | `granitemoe` | `model.layers.i.block_sparse_moe.` | `router.layer.weight`; packed `input_linear.weight`, `output_linear.weight` | `num_local_experts`, `intermediate_size` (softmax of the top-k logits) |
 //! | `deepseek_v3` | `model.layers.i.mlp.` | `experts.{e}.{gate,up,down}_proj`, `shared_experts.*`, `gate.e_score_correction_bias` | `n_routed_experts`, `moe_intermediate_size`, `n_group`, `topk_group`, `n_shared_experts`, `routed_scaling_factor`, `norm_topk_prob` |
 //!
@@ -48,8 +49,9 @@ pub enum MoeScheme {
     Qwen2Moe,
     /// Qwen3-MoE and OLMoE: `experts.{e}.{gate,up,down}_proj`, nothing else.
     Qwen3Moe,
-    /// DeepSeek-V3: as Qwen3-MoE, plus `gate.e_score_correction_bias` and ungated
-    /// `shared_experts.*`.
+    /// DeepSeek-V2: as Qwen3-MoE, plus ungated `shared_experts.*`.
+    DeepseekV2,
+    /// DeepSeek-V3: as DeepSeek-V2, plus `gate.e_score_correction_bias`.
     DeepseekV3,
     /// GraniteMoE: `router.layer.weight`, the experts packed as `input_linear.weight`
     /// `[E, 2·d_ff, d_model]` (gate rows first) and `output_linear.weight` `[E, d_model, d_ff]`.
@@ -68,10 +70,11 @@ const PACKED: [(&str, &str); 2] = [
 
 impl MoeScheme {
     /// Every scheme.
-    pub const ALL: [MoeScheme; 5] = [
+    pub const ALL: [MoeScheme; 6] = [
         MoeScheme::Mixtral,
         MoeScheme::Qwen2Moe,
         MoeScheme::Qwen3Moe,
+        MoeScheme::DeepseekV2,
         MoeScheme::DeepseekV3,
         MoeScheme::GraniteMoe,
     ];
@@ -82,6 +85,7 @@ impl MoeScheme {
             MoeScheme::Mixtral => "mixtral",
             MoeScheme::Qwen2Moe => "qwen2_moe",
             MoeScheme::Qwen3Moe => "qwen3_moe",
+            MoeScheme::DeepseekV2 => "deepseek_v2",
             MoeScheme::DeepseekV3 => "deepseek_v3",
             MoeScheme::GraniteMoe => "granitemoe",
         }
@@ -157,8 +161,9 @@ impl HfModel {
 
     /// The [`MoeConfig`] of the model's sparse layers: the experts' and router's shapes from
     /// `config.json`, the routing from its fields (`norm_topk_prob`, `router_jitter_noise`,
-    /// `routed_scaling_factor`, `n_group`/`topk_group`) and from the keys (a shared expert
-    /// and its gate, DeepSeek-V3's `e_score_correction_bias`, which means sigmoid scores).
+    /// `routed_scaling_factor`, `topk_method` with `n_group`/`topk_group`) and from the keys
+    /// (a shared expert and its gate, `shared_experts`, DeepSeek-V3's
+    /// `e_score_correction_bias`, which means sigmoid scores).
     pub fn moe_config(&self) -> Result<MoeConfig, Error> {
         let kind = self.model_type();
         let Some((_, prefix)) = self.sparse_blocks().into_iter().next() else {
@@ -202,27 +207,40 @@ impl HfModel {
             .with_loss_coefs(self.number("router_aux_loss_coef", 0.001)?, 0.0)
             .with_jitter(self.number("router_jitter_noise", 0.0)?)
             .with_normalize_top_k(boolean("norm_topk_prob", true)?);
+        config = config.with_routed_scaling(self.number("routed_scaling_factor", 1.0)?);
         if has_any("shared_expert.") {
-            // Qwen2-MoE: one shared expert of its own width, gated by σ(x·w).
+            // Qwen2-MoE and Qwen3-Next: one shared expert of its own width, gated by σ(x·w).
             config = config.with_shared_experts(
                 1,
                 Some(self.size("shared_expert_intermediate_size")?),
                 has("shared_expert_gate.weight"),
             );
+        } else if has_any("shared_experts.") {
+            // DeepSeek: `n_shared_experts` ungated shared experts of the experts' width.
+            config = config.with_shared_experts(self.size("n_shared_experts")?, None, false);
         }
-        if has("gate.e_score_correction_bias") {
-            // DeepSeek-V3's auxiliary-loss-free routing: sigmoid scores, a selection bias,
-            // groups, scaling, `n_shared_experts` ungated shared experts of the experts' width.
-            let shared = match self.config.get("n_shared_experts") {
-                None | Some(Value::Null) => 0,
-                Some(_) => self.size("n_shared_experts")?,
-            };
+        let selection_bias = has("gate.e_score_correction_bias");
+        let method = self.string("topk_method", "")?;
+        if selection_bias {
+            // DeepSeek-V3's auxiliary-loss-free routing (`noaux_tc`): sigmoid scores, a
+            // selection bias, groups scored by their two best.
             config = config
                 .with_scoring(Scoring::Sigmoid)
-                .with_groups(self.size("n_group")?, self.size("topk_group")?)
                 .with_selection_bias(true, 0.001)
-                .with_routed_scaling(self.number("routed_scaling_factor", 1.0)?)
-                .with_shared_experts(shared, None, false);
+                .with_groups(self.size("n_group")?, self.size("topk_group")?);
+        } else if method == "group_limited_greedy" {
+            // DeepSeek-V2: softmax scores, groups scored by their best.
+            config = config
+                .with_groups(self.size("n_group")?, self.size("topk_group")?)
+                .with_group_score_top(1);
+        } else if !matches!(method.as_str(), "" | "greedy") {
+            return Err(self.error(
+                "topk_method",
+                format!(
+                    "`{method}` is not a routing this reader knows (greedy, \
+                     group_limited_greedy, or noaux_tc with an e_score_correction_bias)"
+                ),
+            ));
         }
         config.validate().map_err(|e| {
             let field = match &e {
@@ -253,6 +271,8 @@ impl HfModel {
             MoeScheme::Qwen2Moe
         } else if config.selection_bias {
             MoeScheme::DeepseekV3
+        } else if config.n_shared_experts > 0 && config.shared_d_ff.is_none() {
+            MoeScheme::DeepseekV2
         } else {
             MoeScheme::Qwen3Moe
         })
@@ -418,13 +438,13 @@ impl Moe {
         if self.router.bias.is_some() {
             return refuse("its router has a bias");
         }
-        let deepseek = scheme == MoeScheme::DeepseekV3;
-        if self.selection_bias.is_some() != deepseek {
+        let deepseek = matches!(scheme, MoeScheme::DeepseekV2 | MoeScheme::DeepseekV3);
+        if self.selection_bias.is_some() != (scheme == MoeScheme::DeepseekV3) {
             return refuse("the selection bias is DeepSeek-V3's only, and it needs one");
         }
         let shared_form = match scheme {
             MoeScheme::Qwen2Moe => (true, true),
-            MoeScheme::DeepseekV3 => (self.shared.is_some(), false),
+            MoeScheme::DeepseekV2 | MoeScheme::DeepseekV3 => (self.shared.is_some(), false),
             MoeScheme::Mixtral | MoeScheme::Qwen3Moe | MoeScheme::GraniteMoe => (false, false),
         };
         if (self.shared.is_some(), self.shared_gate.is_some()) != shared_form {
