@@ -102,15 +102,15 @@ fn usual_activation(scheme: Scheme, gated: bool) -> Activation {
 /// Every FFN in `files`, in key order.
 fn find_ffns(files: &TensorFiles) -> Vec<FoundFfn> {
     // Candidate prefixes: whatever precedes a scheme's weight name.
+    let keys: std::collections::HashSet<&str> = files.keys().collect();
     let mut prefixes = BTreeSet::new();
-    for key in files.keys() {
-        for scheme in Scheme::ALL {
-            for stem in scheme.stems() {
-                if let Some(prefix) = key.strip_suffix(&format!("{stem}.weight"))
-                    && (prefix.is_empty() || prefix.ends_with('.'))
-                {
-                    prefixes.insert(prefix.to_string());
-                }
+    let suffixes = Scheme::weight_suffixes();
+    for key in &keys {
+        for suffix in &suffixes {
+            if let Some(prefix) = key.strip_suffix(suffix.as_str())
+                && (prefix.is_empty() || prefix.ends_with('.'))
+            {
+                prefixes.insert(prefix.to_string());
             }
         }
     }
@@ -120,7 +120,8 @@ fn find_ffns(files: &TensorFiles) -> Vec<FoundFfn> {
     prefixes
         .into_iter()
         .filter_map(|prefix| {
-            let (scheme, gated) = Scheme::detect(files.keys(), &prefix).ok()?;
+            let has = |stem: &str| keys.contains(format!("{prefix}{stem}.weight").as_str());
+            let (scheme, gated) = Scheme::detect_by(has)?;
             let up = scheme.slot(Role::Up, gated).ok()??;
             let info = files.info(&format!("{prefix}{}.weight", up.name()))?;
             // Only weights that could load: a float dtype, and a shape that gives sizes ≥ 1

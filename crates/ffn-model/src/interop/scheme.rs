@@ -253,8 +253,22 @@ impl Scheme {
             .into_iter()
             .filter_map(|k| k.strip_prefix(prefix))
             .collect();
-        let has = |stem: &str| keys.contains(&format!("{stem}.weight").as_str());
-        let found = if has("gate_up_proj") {
+        let set: std::collections::HashSet<&str> = keys.iter().copied().collect();
+        Self::detect_by(|stem| set.contains(format!("{stem}.weight").as_str())).ok_or_else(|| {
+            let sample: Vec<&str> = keys.iter().take(8).copied().collect();
+            Error::Scheme(format!(
+                "no FFN weights of a known scheme under the prefix `{prefix}` (keys: {}{})",
+                sample.join(", "),
+                if keys.len() > 8 { ", …" } else { "" }
+            ))
+        })
+    }
+
+    /// The scheme, and whether gated, of the weights that `has(stem)` says are there
+    /// (`{stem}.weight` under one prefix): each test a lookup, so that a reader can try every
+    /// prefix of a large file against a set of its keys.
+    pub(crate) fn detect_by(has: impl Fn(&str) -> bool) -> Option<(Scheme, bool)> {
+        Some(if has("gate_up_proj") {
             (Scheme::GateUpProj, true)
         } else if has("w12") {
             (Scheme::W12, true)
@@ -284,14 +298,21 @@ impl Scheme {
         } else if has("up") && has("down") {
             (Scheme::Native, has("gate"))
         } else {
-            let sample: Vec<&str> = keys.iter().take(8).copied().collect();
-            return Err(Error::Scheme(format!(
-                "no FFN weights of a known scheme under the prefix `{prefix}` (keys: {}{})",
-                sample.join(", "),
-                if keys.len() > 8 { ", …" } else { "" }
-            )));
-        };
-        Ok(found)
+            return None;
+        })
+    }
+
+    /// `{stem}.weight` for every stem of every scheme: the key endings after which a prefix
+    /// may hold an FFN.
+    pub(crate) fn weight_suffixes() -> Vec<String> {
+        let mut suffixes: Vec<String> = Self::ALL
+            .iter()
+            .flat_map(|s| s.stems())
+            .map(|stem| format!("{stem}.weight"))
+            .collect();
+        suffixes.sort();
+        suffixes.dedup();
+        suffixes
     }
 }
 

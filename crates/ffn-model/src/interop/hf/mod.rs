@@ -240,15 +240,15 @@ impl HfModel {
     /// left to [`HfModel::load_moe_layer`]. When several stacks hold FFNs (an encoder and a
     /// decoder), the layers are those of the stack with the most, an encoder on a tie.
     fn find_dense(&self) -> Vec<DenseFfn> {
+        let keys: std::collections::HashSet<&str> = self.files.keys().collect();
         let mut prefixes = std::collections::BTreeSet::new();
-        for key in self.files.keys() {
-            for scheme in Scheme::ALL {
-                for stem in scheme.stems() {
-                    if let Some(prefix) = key.strip_suffix(&format!("{stem}.weight"))
-                        && (prefix.is_empty() || prefix.ends_with('.'))
-                    {
-                        prefixes.insert(prefix.to_string());
-                    }
+        let suffixes = Scheme::weight_suffixes();
+        for key in &keys {
+            for suffix in &suffixes {
+                if let Some(prefix) = key.strip_suffix(suffix.as_str())
+                    && (prefix.is_empty() || prefix.ends_with('.'))
+                {
+                    prefixes.insert(prefix.to_string());
                 }
             }
         }
@@ -268,7 +268,8 @@ impl HfModel {
             else {
                 continue;
             };
-            let Ok((scheme, gated)) = Scheme::detect(self.files.keys(), &prefix) else {
+            let has = |stem: &str| keys.contains(format!("{prefix}{stem}.weight").as_str());
+            let Some((scheme, gated)) = Scheme::detect_by(has) else {
                 continue;
             };
             let scheme = self.orientation(scheme, &prefix);
