@@ -287,18 +287,17 @@ impl HfModel {
                 },
             ));
         }
-        let mut stacks: Vec<(&String, usize)> = Vec::new();
+        let mut stacks: std::collections::BTreeMap<&str, usize> = Default::default();
         for (stack, _) in &found {
-            match stacks.iter_mut().find(|(s, _)| *s == stack) {
-                Some((_, n)) => *n += 1,
-                None => stacks.push((stack, 1)),
-            }
+            *stacks.entry(stack.as_str()).or_default() += 1;
         }
         let encoder = |s: &str| s.split('.').any(|p| p == "encoder");
+        // The most layers, then an encoder, then the shortest name, then the first in order.
         let Some(chosen) = stacks
             .iter()
-            .max_by_key(|(s, n)| (*n, encoder(s), std::cmp::Reverse(s.len())))
-            .map(|(s, _)| (*s).clone())
+            .rev()
+            .max_by_key(|(s, n)| (**n, encoder(s), std::cmp::Reverse(s.len())))
+            .map(|(s, _)| s.to_string())
         else {
             return Vec::new();
         };
