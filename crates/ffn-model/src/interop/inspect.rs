@@ -7,7 +7,6 @@
 //! gating and biases from which tensors exist. The activation is not in the weights: it comes
 //! from the file's `ffn.activation` metadata when present, else from the scheme's usual choice.
 
-use std::collections::BTreeSet;
 use std::path::Path;
 
 use crate::interop::safetensors::{TensorFile, TensorFiles};
@@ -101,27 +100,13 @@ fn usual_activation(scheme: Scheme, gated: bool) -> Activation {
 
 /// Every FFN in `files`, in key order.
 fn find_ffns(files: &TensorFiles) -> Vec<FoundFfn> {
-    // Candidate prefixes: whatever precedes a scheme's weight name.
     let keys: std::collections::HashSet<&str> = files.keys().collect();
-    let mut prefixes = BTreeSet::new();
-    let suffixes = Scheme::weight_suffixes();
-    for key in &keys {
-        for suffix in &suffixes {
-            if let Some(prefix) = key.strip_suffix(suffix.as_str())
-                && (prefix.is_empty() || prefix.ends_with('.'))
-            {
-                prefixes.insert(prefix.to_string());
-            }
-        }
-    }
     let from_file = files
         .metadata("ffn.activation")
         .and_then(|name| name.parse::<Activation>().ok());
-    prefixes
+    Scheme::find_all(&keys)
         .into_iter()
-        .filter_map(|prefix| {
-            let has = |stem: &str| keys.contains(format!("{prefix}{stem}.weight").as_str());
-            let (scheme, gated) = Scheme::detect_by(has)?;
+        .filter_map(|(prefix, scheme, gated)| {
             let up = scheme.slot(Role::Up, gated).ok()??;
             let info = files.info(&format!("{prefix}{}.weight", up.name()))?;
             // Only weights that could load: a float dtype, and a shape that gives sizes ≥ 1

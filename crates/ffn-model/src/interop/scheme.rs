@@ -26,6 +26,7 @@
 //! w12(x).chunk(2)`, `silu(x1) * x2`) and vLLM's `SiluAndMul` read them. Loading splits them;
 //! saving packs them again.
 
+use std::collections::{BTreeSet, HashSet};
 use std::fmt;
 use std::str::FromStr;
 
@@ -253,7 +254,7 @@ impl Scheme {
             .into_iter()
             .filter_map(|k| k.strip_prefix(prefix))
             .collect();
-        let set: std::collections::HashSet<&str> = keys.iter().copied().collect();
+        let set: HashSet<&str> = keys.iter().copied().collect();
         Self::detect_by(|stem| set.contains(format!("{stem}.weight").as_str())).ok_or_else(|| {
             let sample: Vec<&str> = keys.iter().take(8).copied().collect();
             Error::Scheme(format!(
@@ -302,9 +303,10 @@ impl Scheme {
         })
     }
 
-    /// `{stem}.weight` for every stem of every scheme: the key endings after which a prefix
-    /// may hold an FFN.
-    pub(crate) fn weight_suffixes() -> Vec<String> {
+    /// Every prefix of `keys` under which the weights of a known scheme lie, in key order,
+    /// with its scheme and whether it is gated: the candidates are whatever precedes a
+    /// scheme's `{stem}.weight`, each tested by set lookups (linear in the number of keys).
+    pub(crate) fn find_all(keys: &HashSet<&str>) -> Vec<(String, Scheme, bool)> {
         let mut suffixes: Vec<String> = Self::ALL
             .iter()
             .flat_map(|s| s.stems())
@@ -312,7 +314,24 @@ impl Scheme {
             .collect();
         suffixes.sort();
         suffixes.dedup();
-        suffixes
+        let mut prefixes = BTreeSet::new();
+        for key in keys {
+            for suffix in &suffixes {
+                if let Some(prefix) = key.strip_suffix(suffix.as_str())
+                    && (prefix.is_empty() || prefix.ends_with('.'))
+                {
+                    prefixes.insert(prefix);
+                }
+            }
+        }
+        prefixes
+            .into_iter()
+            .filter_map(|prefix| {
+                let has = |stem: &str| keys.contains(format!("{prefix}{stem}.weight").as_str());
+                let (scheme, gated) = Self::detect_by(has)?;
+                Some((prefix.to_string(), scheme, gated))
+            })
+            .collect()
     }
 }
 

@@ -66,8 +66,6 @@ pub struct HfModel {
 #[derive(Debug, Clone)]
 struct DenseFfn {
     prefix: String,
-    /// The prefix with its layer number as `{}`.
-    stack: String,
     layer: usize,
     scheme: Scheme,
     gated: bool,
@@ -241,46 +239,19 @@ impl HfModel {
     /// decoder), the layers are those of the stack with the most, an encoder on a tie.
     fn find_dense(&self) -> Vec<DenseFfn> {
         let keys: std::collections::HashSet<&str> = self.files.keys().collect();
-        let mut prefixes = std::collections::BTreeSet::new();
-        let suffixes = Scheme::weight_suffixes();
-        for key in &keys {
-            for suffix in &suffixes {
-                if let Some(prefix) = key.strip_suffix(suffix.as_str())
-                    && (prefix.is_empty() || prefix.ends_with('.'))
-                {
-                    prefixes.insert(prefix.to_string());
-                }
-            }
-        }
         let mut found: Vec<(String, DenseFfn)> = Vec::new();
-        for prefix in prefixes {
-            let parts: Vec<&str> = prefix.split('.').collect();
-            if parts
-                .iter()
-                .any(|p| p.starts_with("expert") || p.starts_with("shared_expert"))
-            {
-                continue;
-            }
-            let Some((at, layer)) = parts
-                .iter()
-                .enumerate()
-                .find_map(|(i, p)| p.parse::<usize>().ok().map(|n| (i, n)))
-            else {
-                continue;
-            };
-            let has = |stem: &str| keys.contains(format!("{prefix}{stem}.weight").as_str());
-            let Some((scheme, gated)) = Scheme::detect_by(has) else {
+        for (prefix, scheme, gated) in Scheme::find_all(&keys) {
+            let expert = prefix
+                .split('.')
+                .any(|p| p.starts_with("expert") || p.starts_with("shared_expert"));
+            let Some(layer) = layer_of(&prefix).filter(|_| !expert) else {
                 continue;
             };
             let scheme = self.orientation(scheme, &prefix);
-            let mut stack = parts.clone();
-            stack[at] = "{}";
-            let stack = stack.join(".");
             found.push((
-                stack.clone(),
+                at_layer(&prefix, "{}"),
                 DenseFfn {
                     prefix,
-                    stack,
                     layer,
                     scheme,
                     gated,
@@ -322,9 +293,9 @@ impl HfModel {
             .info(&format!("{prefix}c_fc.weight"))
             .map(|i| i.shape.clone())
             .unwrap_or_default();
-        let d_model = D_MODEL_FIELDS
-            .iter()
-            .find_map(|f| self.config.get(*f).and_then(Value::as_u64))
+        let d_model = self
+            .first_field(&D_MODEL_FIELDS)
+            .and_then(|f| self.config.get(f)?.as_u64())
             .map(|n| n as usize);
         match d_model.and_then(|d| crate::interop::scheme::c_fc_layout(&shape, d)) {
             Some(scheme) => scheme,
@@ -401,7 +372,7 @@ impl HfModel {
     }
 
     /// The first of `fields` that the config has (not null), if any.
-    fn first_field(&self, fields: &[&'static str]) -> Option<&'static str> {
+    pub(crate) fn first_field(&self, fields: &[&'static str]) -> Option<&'static str> {
         fields
             .iter()
             .find(|f| self.config.get(**f).is_some_and(|v| !v.is_null()))
@@ -490,9 +461,10 @@ impl HfModel {
             }
         };
         let mut config = config.with_activation(activation);
-        if let Some((field, at)) = DROPOUT_FIELDS
-            .iter()
-            .find(|(f, _)| self.config.get(*f).is_some_and(|v| !v.is_null()))
+        let fields = DROPOUT_FIELDS.map(|(field, _)| field);
+        if let Some((field, at)) = self
+            .first_field(&fields)
+            .and_then(|f| DROPOUT_FIELDS.iter().find(|(g, _)| *g == f))
         {
             config = config
                 .with_dropout(self.number(field, 0.0)?)
@@ -571,7 +543,7 @@ impl HfModel {
             .map(|f| f.prefix.clone())
             .ok_or_else(|| Error::MissingTensor {
                 key: match self.dense.first() {
-                    Some(f) => f.stack.replace("{}", &layer.to_string()),
+                    Some(f) => at_layer(&f.prefix, &layer.to_string()),
                     None => format!("…{layer}.…"),
                 },
                 hint: format!(
@@ -592,7 +564,7 @@ impl HfModel {
             }
             Err(Error::MissingTensor { .. }) if !self.dense.is_empty() => {
                 let like = &self.dense[0];
-                Ok((like.stack.replace("{}", &layer.to_string()), like.scheme))
+                Ok((at_layer(&like.prefix, &layer.to_string()), like.scheme))
             }
             Err(e) => Err(e),
         }
@@ -611,4 +583,27 @@ impl HfModel {
     pub fn tensors(&self) -> Vec<(String, String, Vec<usize>)> {
         self.files.list()
     }
+}
+
+/// A layer's number in a key prefix: its first part that is a number (`model.layers.3.mlp.`,
+/// `encoder.block.3.layer.1.DenseReluDense.`).
+pub(crate) fn layer_of(prefix: &str) -> Option<usize> {
+    prefix.split('.').find_map(|part| part.parse().ok())
+}
+
+/// `prefix` with its layer number (see [`layer_of`]) replaced by `to`.
+pub(crate) fn at_layer(prefix: &str, to: &str) -> String {
+    let mut done = false;
+    let parts: Vec<&str> = prefix
+        .split('.')
+        .map(|part| {
+            if !done && part.parse::<usize>().is_ok() {
+                done = true;
+                to
+            } else {
+                part
+            }
+        })
+        .collect();
+    parts.join(".")
 }

@@ -127,22 +127,29 @@ impl HfModel {
     /// `ROUTERS`) and experts beside it (`{prefix}experts.…`, or packed), and its layer (the
     /// prefix's first number), in layer order.
     fn sparse_blocks(&self) -> Vec<(usize, String)> {
+        // The prefixes with experts beside them, collected in one pass over the keys.
+        let with_experts: std::collections::HashSet<&str> = self
+            .files
+            .keys()
+            .filter_map(|k| {
+                let (cut, _) = k
+                    .match_indices("experts.")
+                    .find(|&(i, _)| i == 0 || k[..i].ends_with('.'))?;
+                Some(&k[..cut])
+            })
+            .collect();
         let mut blocks: Vec<(usize, String)> = self
             .files
             .keys()
             .filter_map(|key| ROUTERS.iter().find_map(|r| key.strip_suffix(r)))
             .filter(|p| p.is_empty() || p.ends_with('.'))
             .filter(|p| {
-                let experts = format!("{p}experts.");
-                self.files.keys().any(|k| k.starts_with(&experts))
+                with_experts.contains(p)
                     || PACKED
                         .iter()
                         .any(|(gate_up, _)| self.files.info(&format!("{p}{gate_up}")).is_some())
             })
-            .filter_map(|p| {
-                let layer = p.split('.').find_map(|part| part.parse::<usize>().ok())?;
-                Some((layer, p.to_string()))
-            })
+            .filter_map(|p| Some((super::layer_of(p)?, p.to_string())))
             .collect();
         blocks.sort();
         blocks.dedup();
@@ -181,13 +188,8 @@ impl HfModel {
             self.files.keys().any(|k| k.starts_with(&stem))
         };
         let mut expert = self.ffn_config()?;
-        let first = |fields: &[&str]| -> Result<usize, Error> {
-            let field = fields
-                .iter()
-                .find(|f| !matches!(self.config.get(**f), None | Some(Value::Null)))
-                .unwrap_or(&fields[0]);
-            self.size(field)
-        };
+        let first =
+            |fields: &[&'static str]| self.size(self.first_field(fields).unwrap_or(fields[0]));
         expert.d_ff = first(&["moe_intermediate_size", "intermediate_size"])?;
         let n_experts = first(&["num_local_experts", "num_experts", "n_routed_experts"])?;
         let top_k = self.size("num_experts_per_tok")?;
@@ -294,7 +296,7 @@ impl HfModel {
             .ok_or_else(|| Error::MissingTensor {
                 key: format!(
                     "{}gate.weight",
-                    replace_layer(&blocks[0].1, blocks[0].0, layer)
+                    super::at_layer(&blocks[0].1, &layer.to_string())
                 ),
                 hint: format!(
                     " (layer {layer} has no router: a dense layer loads with `load_layer`)"
@@ -576,23 +578,6 @@ impl Moe {
         }
         self
     }
-}
-
-/// `prefix` (of layer `from`) with its first number, the layer, made `to`.
-fn replace_layer(prefix: &str, from: usize, to: usize) -> String {
-    let mut done = false;
-    prefix
-        .split('.')
-        .map(|part| {
-            if !done && part.parse::<usize>() == Ok(from) {
-                done = true;
-                to.to_string()
-            } else {
-                part.to_string()
-            }
-        })
-        .collect::<Vec<_>>()
-        .join(".")
 }
 
 fn values(data: &TensorData) -> Vec<f64> {
