@@ -61,13 +61,24 @@ ACTIVATIONS = {
     "identity": lambda x: x,
     "relu2": lambda x: F.relu(x) ** 2,
     "tanh": torch.tanh,
+    # gpt-oss's clamped SwiGLU: φ(g) = g' σ(1.702 g'), g' = min(g, 7) ...
+    "swiglu_oai": lambda x: x.clamp(max=7.0) * torch.sigmoid(1.702 * x.clamp(max=7.0)),
 }
+# ... whose gated unit also clips and shifts the up side: h = φ(g) ⊙ ψ(u), ψ(u) = clamp(u, ±7) + 1.
+# Every other activation has ψ(u) = u.
+UP = {"swiglu_oai": lambda u: u.clamp(-7.0, 7.0) + 1}
+# Inputs are drawn N(0, 1.5²), times this factor: large enough for swiglu_oai's pre-activations
+# to cross its clips at ±7 (some do in every case), so that the clipped branches are checked.
+INPUT_SCALE = {"swiglu_oai": 6.0}
+# Where a function's derivative jumps (ReLU at 0, the clips at ±7): inputs are redrawn, for bf16,
+# until no pre-activation lies within 0.05 of one, where autocast's rounding could flip the jump.
+KINKS = {"relu": (0.0,), "swiglu_oai": (-7.0, 7.0)}
 
 
 class FeedForward(torch.nn.Module):
-    def __init__(self, act, gated, bias_up, bias_gate, bias_down):
+    def __init__(self, act, gated, bias_up, bias_gate, bias_down, psi=lambda u: u):
         super().__init__()
-        self.act = act
+        self.act, self.psi = act, psi
         self.up = torch.nn.Linear(D_MODEL, D_FF, bias=bias_up, dtype=torch.float64)
         self.gate = (
             torch.nn.Linear(D_MODEL, D_FF, bias=bias_gate, dtype=torch.float64) if gated else None
@@ -76,7 +87,7 @@ class FeedForward(torch.nn.Module):
 
     def forward(self, x):
         if self.gate is not None:
-            h = self.act(self.gate(x)) * self.up(x)
+            h = self.act(self.gate(x)) * self.psi(self.up(x))
         else:
             h = self.act(self.up(x))
         return self.down(h)
@@ -156,7 +167,8 @@ def recipe_forward(net, x):
     lin = lambda layer, t, computed: Bf16Linear.apply(t, layer.weight, layer.bias, computed)
     if net.gate is not None:
         PRE.append(lin(net.gate, x, False))
-        h = net.act(PRE[-1]) * lin(net.up, x, False)
+        PRE.append(lin(net.up, x, False))
+        h = net.act(PRE[-2]) * net.psi(PRE[-1])
     else:
         PRE.append(lin(net.up, x, False))
         h = net.act(PRE[-1])
@@ -178,19 +190,24 @@ def bf16_references(act_name, act, generator):
     """The golden_bf16 file's tensors: weights, inputs, and both references per rank."""
     tensors = {}
     for case, gated, bias_up, bias_gate, bias_down in cases():
-        net = FeedForward(act, gated, bias_up, bias_gate, bias_down)
+        psi = UP.get(act_name, lambda u: u)
+        net = FeedForward(act, gated, bias_up, bias_gate, bias_down, psi)
         draw_weights(net, generator, case, tensors)
-        net32 = FeedForward(act, gated, bias_up, bias_gate, bias_down).float()
+        net32 = FeedForward(act, gated, bias_up, bias_gate, bias_down, psi).float()
         net32.load_state_dict({k: v.float() for k, v in net.state_dict().items()})
         for rank, shape in SHAPES.items():
             for _ in range(1000):
-                x = f32_exact(torch.randn(shape, generator=generator, dtype=torch.float64) * 1.5)
+                scale = 1.5 * INPUT_SCALE.get(act_name, 1.0)
+                x = f32_exact(torch.randn(shape, generator=generator, dtype=torch.float64) * scale)
                 x.requires_grad_(True)
                 ROUNDED.clear()
                 PRE.clear()
                 y = recipe_forward(net, x)
                 gradients(net, x, y, f"{case}/r{rank}/recipe", tensors)
-                kink = act_name == "relu" and bool((PRE[0].detach().abs() < 0.05).any())
+                # φ's input (PRE[0]); for swiglu_oai ψ's too.
+                pres = PRE if act_name in UP else PRE[:1]
+                kink = any(bool(((p.detach() - at).abs() < 0.05).any())
+                           for p in pres for at in KINKS.get(act_name, ()))
                 if not kink and not any(near_midpoint(t) for t in ROUNDED):
                     break
             else:
@@ -209,10 +226,11 @@ def main():
     for act_name, act in ACTIVATIONS.items():
         tensors = {}
         for case, gated, bias_up, bias_gate, bias_down in cases():
-            net = FeedForward(act, gated, bias_up, bias_gate, bias_down)
+            net = FeedForward(act, gated, bias_up, bias_gate, bias_down, UP.get(act_name, lambda u: u))
             draw_weights(net, generator, case, tensors)
             for rank, shape in SHAPES.items():
-                x = f32_exact(torch.randn(shape, generator=generator, dtype=torch.float64) * 1.5)
+                scale = 1.5 * INPUT_SCALE.get(act_name, 1.0)
+                x = f32_exact(torch.randn(shape, generator=generator, dtype=torch.float64) * scale)
                 x.requires_grad_(True)
                 net.zero_grad()
                 y = net(x)

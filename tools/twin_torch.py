@@ -42,16 +42,21 @@ ACTIVATIONS = {
     "identity": lambda x: x,
     "relu2": lambda x: F.relu(x).square(),
     "tanh": torch.tanh,
+    # gpt-oss: a Swish with α = 1.702 on the gate clipped at 7; the up side clipped to ±7, + 1.
+    "swiglu_oai": lambda x: x.clamp(max=7.0) * torch.sigmoid(1.702 * x.clamp(max=7.0)),
 }
+# The up side of a gated unit, ψ(u): the identity but for swiglu_oai.
+UP = {"swiglu_oai": lambda u: u.clamp(-7.0, 7.0) + 1}
 
 
 class FeedForward(torch.nn.Module):
-    """`down(φ(gate(x)) ⊙ up(x))` gated, `down(φ(up(x)))` otherwise, as in ffn.toml."""
+    """`down(φ(gate(x)) ⊙ ψ(up(x)))` gated, `down(φ(up(x)))` otherwise, as in ffn.toml."""
 
     def __init__(self, c):
         super().__init__()
         d, d_ff = c["d_model"], c["d_ff"]
         self.act = ACTIVATIONS[c["activation"]]
+        self.psi = UP.get(c["activation"], lambda u: u)
         self.gated, self.fused = c["gated"], c["gated"] and c.get("fused_gate_up", False)
         if self.fused:
             self.gate_up = torch.nn.Linear(d, 2 * d_ff, bias=c["bias_up"])
@@ -66,9 +71,9 @@ class FeedForward(torch.nn.Module):
     def forward(self, x):
         if self.fused:
             g, u = self.gate_up(x).chunk(2, dim=-1)
-            h = self.act(g) * u
+            h = self.act(g) * self.psi(u)
         elif self.gated:
-            h = self.act(self.gate(x)) * self.up(x)
+            h = self.act(self.gate(x)) * self.psi(self.up(x))
         else:
             h = self.act(self.up(x))
         if self.at_output:

@@ -6,6 +6,10 @@
 //! `h = φ(x W_gate) ⊙ (x W_up)`. With `φ = σ` that is Dauphin et al.'s GLU, with the identity
 //! the Bilinear layer, with ReLU, GELU and Swish the ReGLU, GEGLU and SwiGLU variants.
 //!
+//! One activation also changes the `up` side: OpenAI's clamped SwiGLU of gpt-oss,
+//! [`Activation::SwigluOai`], computes `h = φ(g) ⊙ (clamp(u, −7, 7) + 1)`; every other
+//! activation leaves `u` as it is ([`Activation::glu`]).
+//!
 //! Names follow PyTorch and Hugging Face `transformers`; the spellings `transformers` uses in
 //! its `hidden_act` config key are accepted as aliases (see [`Activation::from_str`]).
 
@@ -45,11 +49,23 @@ pub enum Activation {
     Relu2,
     /// The hyperbolic tangent.
     Tanh,
+    /// OpenAI's clamped SwiGLU (gpt-oss, 2025): with `g' = min(g, 7)`,
+    /// `φ(g) = g' σ(1.702 g')`, a Swish with `β = 1.702` (GELU's sigmoid approximation) whose
+    /// input is clipped from above; gated, the `up` side is clipped too and shifted by one,
+    /// `h = φ(g) ⊙ (clamp(u, −7, 7) + 1)` (see [`Activation::glu`]). Ungated, `h = φ(a)`.
+    /// The constants are [`Activation::OAI_ALPHA`] and [`Activation::OAI_LIMIT`], gpt-oss's
+    /// `swiglu_alpha` and `swiglu_limit`.
+    SwigluOai,
 }
 
 impl Activation {
+    /// `α` of [`Activation::SwigluOai`]: `φ(g) = g' σ(α g')`.
+    pub const OAI_ALPHA: f64 = 1.702;
+    /// The clip of [`Activation::SwigluOai`]: `g' = min(g, limit)`, `clamp(u, −limit, limit)`.
+    pub const OAI_LIMIT: f64 = 7.0;
+
     /// Every activation, in the order of their persisted codes.
-    pub const ALL: [Activation; 8] = [
+    pub const ALL: [Activation; 9] = [
         Activation::Relu,
         Activation::Gelu,
         Activation::GeluTanh,
@@ -58,11 +74,12 @@ impl Activation {
         Activation::Identity,
         Activation::Relu2,
         Activation::Tanh,
+        Activation::SwigluOai,
     ];
 
     /// Alternative spellings accepted when parsing, mostly `transformers`' `hidden_act` names,
     /// each with the activation it means.
-    pub const ALIASES: [(&'static str, Activation); 13] = [
+    pub const ALIASES: [(&'static str, Activation); 15] = [
         ("gelu_exact", Activation::Gelu),
         ("gelu_python", Activation::Gelu),
         ("gelu_new", Activation::GeluTanh),
@@ -76,6 +93,8 @@ impl Activation {
         ("relu_squared", Activation::Relu2),
         ("logistic", Activation::Sigmoid),
         ("swish1", Activation::Silu),
+        ("swigluoai", Activation::SwigluOai),
+        ("gpt_oss", Activation::SwigluOai),
     ];
 
     /// The canonical name, as written to configs and file metadata.
@@ -89,6 +108,7 @@ impl Activation {
             Activation::Identity => "identity",
             Activation::Relu2 => "relu2",
             Activation::Tanh => "tanh",
+            Activation::SwigluOai => "swiglu_oai",
         }
     }
 
@@ -144,7 +164,40 @@ impl Activation {
                 r.clone() * r
             }
             Activation::Tanh => activation::tanh(x),
+            // g' σ(α g'),  g' = min(g, limit)
+            Activation::SwigluOai => {
+                let clipped = x.clamp_max(Self::OAI_LIMIT);
+                clipped.clone() * activation::sigmoid(clipped.mul_scalar(Self::OAI_ALPHA))
+            }
         }
+    }
+
+    /// The `up` side of a gated unit, `ψ(u)`: `clamp(u, −7, 7) + 1` for
+    /// [`Activation::SwigluOai`], `u` itself for every other activation.
+    pub fn up<const D: usize>(self, u: Tensor<D>) -> Tensor<D> {
+        match self {
+            Activation::SwigluOai => u.clamp(-Self::OAI_LIMIT, Self::OAI_LIMIT).add_scalar(1.0),
+            _ => u,
+        }
+    }
+
+    /// The gated unit, `h = φ(g) ⊙ ψ(u)` (`ψ`: [`up`](Self::up)), element-wise.
+    ///
+    /// ```
+    /// use burn::tensor::{Device, Tensor};
+    /// use ffn_model::Activation;
+    ///
+    /// let device = Device::flex();
+    /// let g = Tensor::<1>::from_floats([1.0, 9.0], &device);
+    /// let u = Tensor::<1>::from_floats([2.0, -9.0], &device);
+    /// let h: Vec<f32> = Activation::SwigluOai.glu(g, u).into_data().to_vec().unwrap();
+    /// let swish = |g: f32| g / (1.0 + (-1.702 * g).exp());
+    /// // (2 + 1)·φ(1), and (−7 + 1)·φ(7): both sides clipped at 7.
+    /// assert!((h[0] - 3.0 * swish(1.0)).abs() < 1e-6);
+    /// assert!((h[1] + 6.0 * swish(7.0)).abs() < 1e-5);
+    /// ```
+    pub fn glu<const D: usize>(self, g: Tensor<D>, u: Tensor<D>) -> Tensor<D> {
+        self.forward(g) * self.up(u)
     }
 }
 

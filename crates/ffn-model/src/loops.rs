@@ -114,11 +114,12 @@ fn round_bf16(x: f32) -> u16 {
     if x.is_nan() { quiet } else { rounded }
 }
 
-/// The activations with vectorised loops: all but `tanh`, which stays composed.
+/// The activations with vectorised loops: all but `tanh` and gpt-oss's clamped SwiGLU, which
+/// stay composed.
 type Act = Activation;
 
 pub(crate) fn vectorised(activation: Activation) -> Option<Act> {
-    (activation != Activation::Tanh).then_some(activation)
+    (!matches!(activation, Activation::Tanh | Activation::SwigluOai)).then_some(activation)
 }
 
 trait Loops {
@@ -139,7 +140,7 @@ impl Loops for Activation {
             Activation::Sigmoid => fwd(a, u, h, |x| sigmoid_grad(x).0),
             Activation::Identity => fwd(a, u, h, |x| x),
             Activation::Relu2 => fwd(a, u, h, |x| relu2(x).0),
-            Activation::Tanh => unreachable!("tanh is not vectorised"),
+            Activation::Tanh | Activation::SwigluOai => unreachable!("not vectorised"),
         }
     }
 
@@ -154,7 +155,7 @@ impl Loops for Activation {
             Activation::Sigmoid => bwd_in_place(a, d, |x| sigmoid_grad(x).1),
             Activation::Identity => {}
             Activation::Relu2 => bwd_in_place(a, d, |x| relu2(x).1),
-            Activation::Tanh => unreachable!("tanh is not vectorised"),
+            Activation::Tanh | Activation::SwigluOai => unreachable!("not vectorised"),
         }
     }
 
@@ -172,7 +173,7 @@ impl Loops for Activation {
             Activation::Sigmoid => bwd(dh, a, up, out, sigmoid_grad),
             Activation::Identity => bwd(dh, a, up, out, |x| (x, 1.0)),
             Activation::Relu2 => bwd(dh, a, up, out, relu2),
-            Activation::Tanh => unreachable!("tanh is not vectorised"),
+            Activation::Tanh | Activation::SwigluOai => unreachable!("not vectorised"),
         }
     }
 }

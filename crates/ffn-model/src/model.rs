@@ -212,17 +212,21 @@ impl FeedForward {
         self.check_input(&x);
         let phi = self.activation.activation;
 
-        // h = φ(x W_gate + b_gate) ⊙ (x W_up + b_up)   (gated)
-        // h = φ(x W_up + b_up)                         (ungated)
+        // h = φ(x W_gate + b_gate) ⊙ ψ(x W_up + b_up)   (gated; ψ the identity but for
+        //                                                 SwigluOai, Activation::up)
+        // h = φ(x W_up + b_up)                            (ungated)
         let h = match (&self.gate_up, &self.gate, &self.up) {
             // [g | u] = x [W_gate | W_up] + [b_gate | b_up]: one product, then two views.
             (Some(gate_up), _, _) => {
                 let d_ff = self.d_ff();
                 let gu = self.linear(gate_up, x);
-                phi.forward(gu.clone().narrow(D - 1, 0, d_ff)) * gu.narrow(D - 1, d_ff, d_ff)
+                phi.glu(
+                    gu.clone().narrow(D - 1, 0, d_ff),
+                    gu.narrow(D - 1, d_ff, d_ff),
+                )
             }
             (None, Some(gate), Some(up)) => {
-                phi.forward(self.linear(gate, x.clone())) * self.linear(up, x)
+                phi.glu(self.linear(gate, x.clone()), self.linear(up, x))
             }
             (None, None, Some(up)) => phi.forward(self.linear(up, x)),
             (None, _, None) => unreachable!("an unfused network has `up`"),

@@ -435,11 +435,11 @@ pub(crate) fn experts_composed(
                 None => product,
             }
         };
-        let phi = |t| spec.activation.forward(t);
+        let phi = spec.activation;
         let up = linear(x_e.clone(), mat(&w.w_up), vec(&w.b_up));
         let h = match &w.w_gate {
-            Some(w_gate) => phi(linear(x_e, mat(w_gate), vec(&w.b_gate))) * up,
-            None => phi(up),
+            Some(w_gate) => phi.glu(linear(x_e, mat(w_gate), vec(&w.b_gate)), up),
+            None => phi.forward(up),
         };
         parts.push(linear(h, mat(&w.w_down), vec(&w.b_down)));
     }

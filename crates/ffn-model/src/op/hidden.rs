@@ -5,8 +5,11 @@
 //!
 //! ```text
 //! h = φ(a)                  da = dh ⊙ φ'(a)
-//! h = φ(g) ⊙ u              dg = dh ⊙ u ⊙ φ'(g),   du = dh ⊙ φ(g)
+//! h = φ(g) ⊙ ψ(u)           dg = dh ⊙ ψ(u) ⊙ φ'(g),   du = dh ⊙ φ(g) ⊙ ψ'(u)
 //! ```
+//!
+//! with `ψ` the identity for every activation but [`Activation::SwigluOai`] (whose
+//! `ψ(u) = clamp(u, −7, 7) + 1`).
 //!
 //! written here with burn's tensor ops, so that every backend has them: the default of the
 //! op's [`Kernels`](crate::op::Kernels) (Flex runs its own vectorised loops, `loops.rs`, and
@@ -15,7 +18,7 @@
 use std::ops::Range;
 
 use burn::backend::tensor::FloatTensor;
-use burn::backend::{Backend, Slice, TensorMetadata};
+use burn::backend::{Backend, Slice, TensorMetadata, get_or_init_device_settings};
 
 use crate::Activation;
 
@@ -163,6 +166,62 @@ pub(super) fn activate_and_backward<B: Backend>(
             let d = times(one_minus::<B>(mul::<B>(th.clone(), th.clone())));
             (th, d)
         }
+        // φ(a) = a' s,  a' = min(a, L),  s = σ(α a'):  φ'(a) = [a ≤ L] (s + α a' s (1 - s))
+        Activation::SwigluOai => {
+            let clipped = B::float_clamp_max(a.clone(), Activation::OAI_LIMIT.into());
+            let s = B::sigmoid(scale::<B>(clipped.clone(), Activation::OAI_ALPHA));
+            let phi = mul::<B>(clipped, s.clone());
+            let d = upstream.map(|up| {
+                let ds = mul::<B>(phi.clone(), one_minus::<B>(s.clone()));
+                let d = mul::<B>(up, B::float_add(s, scale::<B>(ds, Activation::OAI_ALPHA)));
+                zero_where::<B>(d, &a, Activation::OAI_LIMIT, None)
+            });
+            (phi, d)
+        }
+    }
+}
+
+/// `d` with zeros where `a > above` or, given `below`, `a < below`: the gradient of a clamp.
+fn zero_where<B: Backend>(
+    d: FloatTensor<B>,
+    a: &FloatTensor<B>,
+    above: f64,
+    below: Option<f64>,
+) -> FloatTensor<B> {
+    let bool_dtype = get_or_init_device_settings::<B>(&a.device()).bool_dtype;
+    let d = B::float_mask_fill(
+        d,
+        B::float_greater_elem(a.clone(), above.into(), bool_dtype),
+        0.into(),
+    );
+    match below {
+        Some(below) => B::float_mask_fill(
+            d,
+            B::float_lower_elem(a.clone(), below.into(), bool_dtype),
+            0.into(),
+        ),
+        None => d,
+    }
+}
+
+/// The `up` side of a gated unit, `ψ(u)`, and `upstream ⊙ ψ'(u)`: `ψ(u) = u` but for
+/// [`Activation::SwigluOai`], `ψ(u) = clamp(u, −L, L) + 1`, `ψ'(u) = [|u| ≤ L]`.
+fn up_and_backward<B: Backend>(
+    u: FloatTensor<B>,
+    upstream: Option<FloatTensor<B>>,
+    activation: Activation,
+) -> (FloatTensor<B>, Option<FloatTensor<B>>) {
+    match activation {
+        Activation::SwigluOai => {
+            let limit = Activation::OAI_LIMIT;
+            let psi = shift::<B>(
+                B::float_clamp(u.clone(), (-limit).into(), limit.into()),
+                1.0,
+            );
+            let d = upstream.map(|up| zero_where::<B>(up, &u, limit, Some(-limit)));
+            (psi, d)
+        }
+        _ => (u, upstream),
     }
 }
 
@@ -184,7 +243,7 @@ pub fn hidden<B: Backend>(pre: &Pre<B>, activation: Activation) -> FloatTensor<B
         Pre::Plain(a) => activate_and_backward::<B>(a.clone(), None, activation).0,
         Pre::Gated(g, u) => {
             let (phi, _) = activate_and_backward::<B>(g.clone(), None, activation);
-            mul::<B>(phi, u.clone())
+            mul::<B>(phi, up_and_backward::<B>(u.clone(), None, activation).0)
         }
         Pre::Fused(gu) => {
             let (g, u) = split::<B>(gu);
@@ -203,11 +262,14 @@ pub fn hidden_backward<B: Backend>(
             let (_, da) = activate_and_backward::<B>(a.clone(), Some(dh), activation);
             Pre::Plain(da.expect("asked for"))
         }
-        // dg = dh ⊙ u ⊙ φ'(g),  du = dh ⊙ φ(g)
+        // dg = dh ⊙ ψ(u) ⊙ φ'(g),  du = dh ⊙ φ(g) ⊙ ψ'(u)   (ψ: the identity but for
+        // SwigluOai, see `up_and_backward`)
         Pre::Gated(g, u) => {
-            let upstream = mul::<B>(dh.clone(), u.clone());
+            let (psi, _) = up_and_backward::<B>(u.clone(), None, activation);
+            let upstream = mul::<B>(dh.clone(), psi);
             let (phi, dg) = activate_and_backward::<B>(g.clone(), Some(upstream), activation);
-            Pre::Gated(dg.expect("asked for"), mul::<B>(dh, phi))
+            let (_, du) = up_and_backward::<B>(u.clone(), Some(mul::<B>(dh, phi)), activation);
+            Pre::Gated(dg.expect("asked for"), du.expect("asked for"))
         }
         Pre::Fused(gu) => {
             let (g, u) = split::<B>(gu);

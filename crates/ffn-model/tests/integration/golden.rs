@@ -35,6 +35,19 @@ const RECIPE_TOLERANCE: f64 = 1e-5;
 /// bf16 against PyTorch's autocast: eight bf16 spacings, `8 · 2⁻⁸` (see the module docs).
 const AUTOCAST_TOLERANCE: f64 = 1.0 / 32.0;
 
+/// gpt-oss's clamped SwiGLU against autocast: `16u = 2⁻⁴`. Its inputs are drawn six times
+/// wider (so that pre-activations cross the clips at ±7), and autocast rounds
+/// `ψ(u) = clamp(u, ±7) + 1` after the shift, where `u`'s own rounding (up to `2⁻⁶` at
+/// `|u| ≥ 4`) is no longer small against a `ψ` near 0: two more roundings, and larger ones, on
+/// the `up` path (the largest seen: 4.5e-2, in `dW_up`). Against the recipe it is held to
+/// 1e-5 as every activation.
+fn autocast_tolerance(activation: Activation) -> f64 {
+    match activation {
+        Activation::SwigluOai => 1.0 / 16.0,
+        _ => AUTOCAST_TOLERANCE,
+    }
+}
+
 const PARAMS: [&str; 6] = [
     "up.weight",
     "up.bias",
@@ -360,7 +373,7 @@ fn bf16_outputs_and_gradients_match_the_recipe_and_autocast() {
                         case_errors(&ffn, &file, &case.name, DType::F32, &references);
                     for (slot, (errors, tolerance)) in per_reference
                         .into_iter()
-                        .zip([RECIPE_TOLERANCE, AUTOCAST_TOLERANCE])
+                        .zip([RECIPE_TOLERANCE, autocast_tolerance(activation)])
                         .enumerate()
                     {
                         for (what, error) in errors {
