@@ -20,7 +20,11 @@ logits, experts packed as input_linear/output_linear), qwen3_next (as qwen2_moe,
 its attention layers all full attention here), deepseek_v2 (softmax, 4 groups of 2 scored by
 their best, top-2 groups, top-2 not renormalised, routed scaling 2.5, a shared expert; layer 0
 dense), deepseek_v3 (sigmoid scores, 4 groups of 2, top-2 groups, a non-zero
-e_score_correction_bias, routed scaling 2.5, a shared expert; layer 0 dense).
+e_score_correction_bias, routed scaling 2.5, a shared expert; layer 0 dense), gpt_oss (a biased
+router, softmax of the top-2 logits, biased experts packed [E, hidden, 2f] with gate and up
+interleaved, the clamped SwiGLU; its experts drawn wide enough to cross the clips), llama4_text
+(sigmoid top-1 that scales the expert's input, experts packed [E, hidden, 2f], an ungated shared
+expert; layer 0 dense, of its own width intermediate_size_mlp).
 
     pip install torch transformers safetensors && python3 tools/moe_fixtures.py [NAME ...]
 """
@@ -70,7 +74,19 @@ def models():
             routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1,
             q_lora_rank=None, kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4,
             v_head_dim=8)),
+        "gpt_oss": (transformers.GptOssForCausalLM, transformers.GptOssConfig(
+            **common, intermediate_size=EXPERT, num_local_experts=4, num_experts_per_tok=2,
+            head_dim=8, layer_types=["sliding_attention", "full_attention"], sliding_window=8)),
+        "llama4_text": (transformers.Llama4ForCausalLM, transformers.Llama4TextConfig(
+            **common, intermediate_size=EXPERT, intermediate_size_mlp=20, num_local_experts=4,
+            num_experts_per_tok=1, head_dim=8, interleave_moe_layer_step=2,
+            no_rope_layers=[1, 1], attention_chunk_size=8)),
     }
+
+
+# Experts drawn wider than the rest, so that gpt-oss's clamped SwiGLU crosses its clips at ±7
+# (pre-activations of standard deviation about 6 instead of 1.2).
+EXPERT_STD = {"gpt_oss": 1.5}
 
 
 def main(only):
@@ -80,8 +96,9 @@ def main(only):
         torch.manual_seed(0)
         model = cls._from_config(config, experts_implementation="eager").eval()
         with torch.no_grad():
-            for p in model.parameters():
-                p.normal_(0.0, 0.3)
+            for n, p in model.named_parameters():
+                wide = ".experts.gate_up_proj" in n and not n.endswith("_bias")
+                p.normal_(0.0, EXPERT_STD.get(name, 0.3) if wide else 0.3)
             for n, b in model.named_buffers():
                 if n.endswith("e_score_correction_bias"):
                     b.copy_(torch.randn_like(b) * 0.1)
@@ -89,19 +106,30 @@ def main(only):
         shutil.rmtree(folder, ignore_errors=True)
         model.save_pretrained(folder)
         layer = model.model.layers[1]
-        block = (layer.mlp if hasattr(layer, "mlp") else layer.block_sparse_moe).double()
+        block = next(getattr(layer, a) for a in ("mlp", "block_sparse_moe", "feed_forward")
+                     if hasattr(layer, a)).double()
         router = block.gate if hasattr(block, "gate") else block.router
         x = torch.randn(2, 5, HIDDEN, dtype=torch.float64, requires_grad=True)
         g = torch.randn(2, 5, HIDDEN, dtype=torch.float64)
         y = block(x)
+        y = y[0] if isinstance(y, tuple) else y  # gpt-oss and Llama 4 return the scores too
+        y = y.reshape(x.shape)  # Llama 4 returns [tokens, hidden]
         (y * g).sum().backward()
-        logits = torch.nn.functional.linear(x.reshape(-1, HIDDEN), router.weight)
-        f = block.experts.gate_up_proj.shape[1] // 2
-        grad = block.experts.gate_up_proj.grad[1]
+        logits = torch.nn.functional.linear(x.reshape(-1, HIDDEN), router.weight,
+                                            getattr(router, "bias", None))
+        gate_up, down = block.experts.gate_up_proj, block.experts.down_proj
+        if gate_up.shape[1] == HIDDEN:
+            # [E, hidden, 2f] and [E, f, hidden] (gpt-oss, Llama 4): to PyTorch's Linear layout.
+            grad, grad_down = gate_up.grad[1].T, down.grad[1].T
+        else:
+            grad, grad_down = gate_up.grad[1], down.grad[1]
+        f = grad.shape[0] // 2
+        # gpt-oss interleaves gate and up (gate the even rows); the others stack them.
+        d_gate, d_up = (grad[0::2], grad[1::2]) if name == "gpt_oss" else (grad[:f], grad[f:])
         golden = {
             "x": x, "g": g, "y": y, "router_logits": logits, "dx": x.grad,
             "d_router": router.weight.grad,
-            "d_gate": grad[:f], "d_up": grad[f:], "d_down": block.experts.down_proj.grad[1],
+            "d_gate": d_gate, "d_up": d_up, "d_down": grad_down,
         }
         save_file({k: v.detach().contiguous().double() for k, v in golden.items()},
                   folder / "moe_io.safetensors")

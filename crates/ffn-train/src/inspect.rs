@@ -27,10 +27,20 @@ pub fn inspect(path: &Path, all: bool, out: &mut dyn Write) -> Result<()> {
             model.model_type(),
             model.scheme()
         );
-        // Sparse layers (a router under the block's prefix) and dense ones.
+        // Sparse layers (a router under the block's prefix, where config.json agrees) and
+        // dense ones.
         let moe = model.moe_config().ok();
+        let sparse_layers = match moe {
+            Some(_) => model.moe_layers()?,
+            None => Vec::new(),
+        };
         let sparse: Vec<Option<String>> = (0..layers)
-            .map(|layer| moe.as_ref().and(model.moe_layer_prefix(layer).ok()))
+            .map(|layer| {
+                sparse_layers
+                    .contains(&layer)
+                    .then(|| model.moe_layer_prefix(layer).ok())
+                    .flatten()
+            })
             .collect();
         if sparse.iter().any(Option::is_none) {
             let what = if moe.is_some() {
@@ -46,13 +56,18 @@ pub fn inspect(path: &Path, all: bool, out: &mut dyn Write) -> Result<()> {
         if let Some(moe) = &moe {
             line!(
                 "MoE config (from config.json), sparse layers: {} experts of d_ff {}, top-{}, \
-                 {:?} scores{}{}, {} shared expert(s)\n{}",
+                 {:?} scores{}{}{}, {} shared expert(s)\n{}",
                 moe.n_experts,
                 moe.expert.d_ff,
                 moe.top_k,
                 moe.scoring,
                 if moe.normalize_top_k {
                     ", renormalised"
+                } else {
+                    ""
+                },
+                if moe.weight_input {
+                    ", weighting the experts' inputs"
                 } else {
                     ""
                 },

@@ -16,19 +16,27 @@ pub(crate) struct HostTensor {
 /// A burn tensor to a host tensor in PyTorch layout (`[out, in]` for a weight), as f32 unless
 /// it is f64.
 pub(crate) fn to_pytorch<const D: usize>(tensor: Tensor<D>) -> HostTensor {
-    let data = tensor.into_data();
-    let data = if data.dtype() == DType::F64 {
-        data
-    } else {
-        data.convert::<f32>()
-    };
-    let shape = data.shape().to_vec();
+    let HostTensor { shape, data } = to_host(tensor);
     match shape.as_slice() {
         [rows, cols] => HostTensor {
             shape: vec![*cols, *rows],
             data: transpose(&data, *rows, *cols),
         },
         _ => HostTensor { shape, data },
+    }
+}
+
+/// A tensor's values as they are (f64 kept, anything else as f32), in its own layout.
+pub(crate) fn to_host<const D: usize>(tensor: Tensor<D>) -> HostTensor {
+    let data = tensor.into_data();
+    let data = if data.dtype() == DType::F64 {
+        data
+    } else {
+        data.convert::<f32>()
+    };
+    HostTensor {
+        shape: data.shape().to_vec(),
+        data,
     }
 }
 

@@ -16,7 +16,9 @@
 //! ```
 //!
 //! and a DeepSeek-V3-style one adds `scoring = "sigmoid"`, `n_group`, `topk_group`,
-//! `selection_bias = true`, `routed_scaling` and `n_shared_experts`.
+//! `selection_bias = true`, `routed_scaling` and `n_shared_experts`; a Llama-4-style one
+//! `scoring = "sigmoid"`, `normalize_top_k = false`, `weight_input = true` and one shared
+//! expert.
 
 use serde::{Deserialize, Serialize};
 
@@ -70,6 +72,10 @@ pub struct MoeConfig {
     /// Qwen2-MoE). On by default.
     #[serde(default = "yes")]
     pub normalize_top_k: bool,
+    /// Apply each routing weight to its expert's input instead of its output (Llama 4):
+    /// `y = Σ_{e∈S} FFN_e(w_e x)` rather than `Σ_{e∈S} w_e FFN_e(x)`. Off by default.
+    #[serde(default)]
+    pub weight_input: bool,
     /// A factor on the routing weights after normalisation (DeepSeek-V3's
     /// `routed_scaling_factor`, 2.5); 1 by default.
     #[serde(default = "one")]
@@ -165,6 +171,7 @@ impl MoeConfig {
             top_k,
             scoring: Scoring::Softmax,
             normalize_top_k: true,
+            weight_input: false,
             routed_scaling: 1.0,
             router_bias: false,
             n_group: 1,
@@ -191,6 +198,13 @@ impl MoeConfig {
     /// Sets whether the selected scores are renormalised.
     pub fn with_normalize_top_k(mut self, normalize: bool) -> Self {
         self.normalize_top_k = normalize;
+        self
+    }
+
+    /// Sets whether the routing weights scale the experts' inputs (Llama 4) rather than their
+    /// outputs.
+    pub fn with_weight_input(mut self, on: bool) -> Self {
+        self.weight_input = on;
         self
     }
 

@@ -13,6 +13,9 @@
 //! y = Σ_{e∈S} w_e FFN_e(x)  +  σ(x w_s) · FFN_shared(x)            (shared part optional)
 //! ```
 //!
+//! or, with `weight_input` (Llama 4), the weight scales the expert's input instead:
+//! `y = Σ_{e∈S} FFN_e(w_e x) + …`.
+//!
 //! The routed sum is computed sparsely: the token–expert pairs are grouped by expert, each
 //! expert runs once on its block of tokens (`experts.rs`), and the weighted outputs are added
 //! back to their tokens. Gradients reach the router through the weights `w_e` (the choice
@@ -77,11 +80,11 @@ pub struct Moe {
     /// `W_down`, `[E, d_ff, d_model]`.
     pub(crate) w_down: Param<Tensor<3>>,
     /// `b_gate`, `[E, d_ff]`.
-    b_gate: Option<Param<Tensor<2>>>,
+    pub(crate) b_gate: Option<Param<Tensor<2>>>,
     /// `b_up`, `[E, d_ff]`.
-    b_up: Option<Param<Tensor<2>>>,
+    pub(crate) b_up: Option<Param<Tensor<2>>>,
     /// `b_down`, `[E, d_model]`.
-    b_down: Option<Param<Tensor<2>>>,
+    pub(crate) b_down: Option<Param<Tensor<2>>>,
     /// The shared experts, as one network.
     pub(crate) shared: Option<FeedForward>,
     /// `w_s`: `d_model → 1`, the shared experts' gate.
@@ -325,21 +328,26 @@ impl Moe {
             b_up: self.b_up.as_ref().map(|p| p.val()),
             b_down: self.b_down.as_ref().map(|p| p.val()),
         };
+        let pair_weights = weights
+            .reshape([tokens * k])
+            .select(0, index(&routing.slots))
+            .unsqueeze_dim::<2>(1);
+        // w_e FFN_e(x), or FFN_e(w_e x) (Llama 4).
+        let (x_sorted, output_weights) = if self.config.weight_input {
+            (x_sorted * pair_weights, None)
+        } else {
+            (x_sorted, Some(pair_weights))
+        };
         let y_sorted = if op {
             experts(x_sorted, stacked, &routing.groups, spec)
         } else {
             experts_composed(x_sorted, stacked, &routing.groups, spec)
         };
-        let pair_weights = weights
-            .reshape([tokens * k])
-            .select(0, index(&routing.slots))
-            .unsqueeze_dim::<2>(1);
-        zeros.select_assign(
-            0,
-            token_index,
-            y_sorted * pair_weights,
-            IndexingUpdateOp::Add,
-        )
+        let y_sorted = match output_weights {
+            Some(w) => y_sorted * w,
+            None => y_sorted,
+        };
+        zeros.select_assign(0, token_index, y_sorted, IndexingUpdateOp::Add)
     }
 
     /// `(L_b, L_z)`; see the module docs.

@@ -708,6 +708,8 @@ fn hugging_face_moe_layers_match_transformers() {
         "qwen3_next",
         "deepseek_v2",
         "deepseek_v3",
+        "gpt_oss",
+        "llama4_text",
     ] {
         let folder = ffn_test_support::data_file(&format!("hf/{name}"));
         let mut model = HfModel::open(&folder).unwrap();
@@ -875,6 +877,8 @@ fn moe_layers_save_back_to_their_checkpoint_names() {
         ("qwen3_next", "mlp"),
         ("deepseek_v2", "mlp"),
         ("deepseek_v3", "mlp"),
+        ("gpt_oss", "mlp"),
+        ("llama4_text", "feed_forward"),
     ] {
         let folder = ffn_test_support::data_file(&format!("hf/{name}"));
         let moe = HfModel::open(&folder)
@@ -925,4 +929,175 @@ fn moe_layers_save_back_to_their_checkpoint_names() {
             "{name} as {other}"
         );
     }
+}
+
+/// `HfModel::moe_layers` finds each fixture's sparse layers by their keys, and they agree with
+/// the config fields that state them (`first_k_dense_replace`, `moe_layers`,
+/// `decoder_sparse_step`); a config that disagrees with the file is a typed error naming the
+/// field. Llama 4's dense layer loads with `load_layer`, at its own width
+/// (`intermediate_size_mlp`, not the experts' `intermediate_size`).
+#[test]
+fn sparse_layers_are_found_and_agree_with_the_config() {
+    use ffn_model::{Error, HfModel};
+    for (name, sparse) in [
+        ("mixtral", &[0, 1][..]),
+        ("qwen2_moe", &[0, 1]),
+        ("qwen3_moe", &[0, 1]),
+        ("olmoe", &[0, 1]),
+        ("granitemoe", &[0, 1]),
+        ("qwen3_next", &[0, 1]),
+        ("deepseek_v2", &[1]),
+        ("deepseek_v3", &[1]),
+        ("gpt_oss", &[0, 1]),
+        ("llama4_text", &[1]),
+        ("llama", &[]),
+    ] {
+        let model = HfModel::open(ffn_test_support::data_file(&format!("hf/{name}"))).unwrap();
+        assert_eq!(model.moe_layers().unwrap(), sparse, "{name}");
+    }
+
+    // Configs edited to disagree with their files.
+    let disagree = |name: &str, from: &str, to: &str| {
+        let source = ffn_test_support::data_file(&format!("hf/{name}"));
+        let config = std::fs::read_to_string(source.join("config.json")).unwrap();
+        assert!(config.contains(from), "{name}: {from}");
+        let dir = ffn_test_support::scratch("moe-layers");
+        std::fs::write(dir.join("config.json"), config.replace(from, to)).unwrap();
+        std::fs::copy(
+            source.join("model.safetensors"),
+            dir.join("model.safetensors"),
+        )
+        .unwrap();
+        HfModel::open(&*dir).unwrap().moe_layers()
+    };
+    for (name, from, to, field) in [
+        (
+            "deepseek_v3",
+            "\"first_k_dense_replace\": 1",
+            "\"first_k_dense_replace\": 0",
+            "first_k_dense_replace",
+        ),
+        (
+            "llama4_text",
+            "\"moe_layers\": [\n    1\n  ]",
+            "\"moe_layers\": [0, 1]",
+            "moe_layers",
+        ),
+        (
+            "llama4_text",
+            "\"moe_layers\": [\n    1\n  ]",
+            "\"moe_layers\": [\"one\"]",
+            "moe_layers",
+        ),
+        (
+            "qwen2_moe",
+            "\"decoder_sparse_step\": 1",
+            "\"decoder_sparse_step\": 2",
+            "decoder_sparse_step",
+        ),
+        (
+            "qwen2_moe",
+            "\"decoder_sparse_step\": 1",
+            "\"decoder_sparse_step\": 0",
+            "decoder_sparse_step",
+        ),
+    ] {
+        let result = disagree(name, from, to);
+        assert!(
+            matches!(&result, Err(Error::HfConfig { field: f, .. }) if f == field),
+            "{name} {to}: {result:?}"
+        );
+    }
+
+    // Llama 4's dense layer: the width of `intermediate_size_mlp`, the file's weights.
+    let folder = ffn_test_support::data_file("hf/llama4_text");
+    let mut model = HfModel::open(&folder).unwrap();
+    let dense = model.load_layer(0, &Device::flex()).unwrap();
+    assert_eq!((dense.d_model(), dense.d_ff()), (16, 20));
+    let bytes = std::fs::read(folder.join("model.safetensors")).unwrap();
+    let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let stored: Vec<f64> = file
+        .tensor("model.layers.0.feed_forward.down_proj.weight")
+        .unwrap()
+        .data()
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()) as f64)
+        .collect();
+    assert_eq!(values(dense.down().weight.val().transpose()), stored);
+}
+
+/// gpt-oss's packed layouts, edited: an interleaved `gate_up_proj` of odd width, a bias of
+/// the wrong width, an expert bias missing while its weight is there, a `swiglu_limit` other
+/// than 7. Each is a typed error naming the key or field.
+#[test]
+fn broken_gpt_oss_checkpoints_are_typed_errors() {
+    use ffn_model::{Error, HfModel};
+    let source = ffn_test_support::data_file("hf/gpt_oss");
+    let config = std::fs::read_to_string(source.join("config.json")).unwrap();
+    let weights = std::fs::read(source.join("model.safetensors")).unwrap();
+    let file = safetensors::SafeTensors::deserialize(&weights).unwrap();
+    let prefix = "model.layers.1.mlp.";
+    // The file with tensor `key` reshaped to `shape` (values cut or padded), or dropped.
+    let edited = |key: &str, shape: Option<Vec<usize>>| {
+        let mut owned: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+        for (name, view) in file.tensors() {
+            if name == format!("{prefix}{key}") {
+                let Some(shape) = &shape else { continue };
+                let mut data = view.data().to_vec();
+                data.resize(shape.iter().product::<usize>() * 4, 0);
+                owned.push((name, shape.clone(), data));
+            } else {
+                owned.push((name, view.shape().to_vec(), view.data().to_vec()));
+            }
+        }
+        let views: Vec<_> = owned
+            .iter()
+            .map(|(n, s, d)| {
+                let view =
+                    safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), d);
+                (n.clone(), view.unwrap())
+            })
+            .collect();
+        safetensors::serialize(views, None).unwrap()
+    };
+    let load = |config: &str, weights: &[u8]| {
+        let dir = ffn_test_support::scratch("gpt-oss-broken");
+        std::fs::write(dir.join("config.json"), config).unwrap();
+        std::fs::write(dir.join("model.safetensors"), weights).unwrap();
+        let result = HfModel::open(&*dir).and_then(|mut m| m.load_moe_layer(1, &Device::flex()));
+        result.map(drop)
+    };
+    assert!(load(&config, &weights).is_ok());
+    let key = |k: &str| format!("{prefix}{k}");
+    for (tensor, shape) in [
+        ("experts.gate_up_proj", vec![4, 16, 23]),
+        ("experts.gate_up_proj_bias", vec![4, 23]),
+        ("experts.down_proj_bias", vec![4, 15]),
+        ("router.bias", vec![5]),
+    ] {
+        let result = load(&config, &edited(tensor, Some(shape.clone())));
+        assert!(
+            matches!(&result, Err(Error::Shape { key: k, .. }) if *k == key(tensor)),
+            "{tensor} {shape:?}: {result:?}"
+        );
+    }
+    // A bias dropped from layer 1 but held by layer 0 (whose keys set the config).
+    for tensor in [
+        "experts.down_proj_bias",
+        "experts.gate_up_proj_bias",
+        "router.bias",
+    ] {
+        let result = load(&config, &edited(tensor, None));
+        assert!(
+            matches!(&result, Err(Error::MissingTensor { key: k, .. }) if *k == key(tensor)),
+            "{tensor} dropped: {result:?}"
+        );
+    }
+    // A clip this activation does not have.
+    let other = config.replace("\"swiglu_limit\": 7.0", "\"swiglu_limit\": 10.0");
+    assert_ne!(other, config);
+    assert!(matches!(
+        load(&other, &weights),
+        Err(Error::HfConfig { field, .. }) if field == "swiglu_limit"
+    ));
 }

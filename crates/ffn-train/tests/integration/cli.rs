@@ -427,6 +427,38 @@ fn inspect_shows_tensors_schemes_and_configs() {
             && text.contains("4 experts of d_ff 12, top-2"),
         "{text}"
     );
+    // Llama 4: a dense layer 0 of its own width, a sparse layer 1 weighting its inputs;
+    // gpt-oss: every layer sparse, biased, its clamped SwiGLU.
+    for (name, expected) in [
+        (
+            "llama4_text",
+            &[
+                "layer 0: prefix `model.layers.0.feed_forward.`",
+                "layer 1: sparse (MoE), prefix `model.layers.1.feed_forward.`",
+                "top-1, Sigmoid scores, weighting the experts' inputs, 1 shared expert(s)",
+                "d_ff = 20",
+            ][..],
+        ),
+        (
+            "gpt_oss",
+            &[
+                "layer 0: sparse (MoE), prefix `model.layers.0.mlp.`",
+                "activation = \"swiglu_oai\"",
+                "router_bias = true",
+                "bias_down = true",
+            ],
+        ),
+    ] {
+        let out = ffn_train(&["inspect", fixtures.join(name).to_str().unwrap()], &dir);
+        assert!(out.status.success(), "{}", stderr(&out));
+        let text = stdout(&out);
+        for expected in expected {
+            assert!(
+                text.contains(expected),
+                "{name}: `{expected}` not in:\n{text}"
+            );
+        }
+    }
     let out = ffn_train(
         &["inspect", fixtures.join("mixtral").to_str().unwrap()],
         &dir,

@@ -108,7 +108,9 @@ pub const MODEL_TYPES: [&str; 29] = [
 /// The fields of `config.json` that hold each quantity, in the order they are read: between
 /// them they cover every family above.
 const D_MODEL_FIELDS: [&str; 4] = ["hidden_size", "d_model", "n_embd", "dim"];
-const D_FF_FIELDS: [&str; 6] = [
+const D_FF_FIELDS: [&str; 7] = [
+    // Llama 4's dense layers (its `intermediate_size` is the experts' width).
+    "intermediate_size_mlp",
     "intermediate_size",
     "d_ff",
     "n_inner",

@@ -1,6 +1,6 @@
 //! # The sparse layers of Hugging Face MoE checkpoints
 //!
-//! A sparse block is found by its keys: a router (`{prefix}gate.weight`, or
+//! A sparse block is found by its keys: a router (`{prefix}gate.weight`, `router.weight`, or
 //! `router.layer.weight`) with experts beside it (`{prefix}experts.…`, or packed) (the layer is the prefix's first number). [`HfModel::moe_config`] reads the
 //! layer's shape and routing from `config.json` and the keys (a `shared_expert.` and its
 //! `shared_expert_gate`; `shared_experts.`; an `e_score_correction_bias`, which means
@@ -18,23 +18,25 @@
 //! | `deepseek_v2` | `model.layers.i.mlp.` | as `deepseek_v3`, without the bias | `n_routed_experts`, `moe_intermediate_size`, `topk_method` (`greedy`, `group_limited_greedy`: groups scored by their best), `n_shared_experts`, `routed_scaling_factor` |
 //! | `granitemoe` | `model.layers.i.block_sparse_moe.` | `router.layer.weight`; packed `input_linear.weight`, `output_linear.weight` | `num_local_experts`, `intermediate_size` (softmax of the top-k logits) |
 //! | `deepseek_v3` | `model.layers.i.mlp.` | `experts.{e}.{gate,up,down}_proj`, `shared_experts.*`, `gate.e_score_correction_bias` | `n_routed_experts`, `moe_intermediate_size`, `n_group`, `topk_group`, `n_shared_experts`, `routed_scaling_factor`, `norm_topk_prob` |
+//! | `gpt_oss` | `model.layers.i.mlp.` | `router.weight`, `router.bias`; packed `experts.gate_up_proj` `[E, d_model, 2·d_ff]` (gate and up interleaved) and `experts.down_proj` `[E, d_ff, d_model]`, with `_bias` `[E, 2·d_ff]`, `[E, d_model]` | `num_local_experts`, `intermediate_size`, `swiglu_limit` (the clamped SwiGLU, [`Activation::SwigluOai`]) (softmax of the top-k logits) |
+//! | `llama4_text`, `llama4` | `model.layers.i.feed_forward.` | `router.weight`; packed `experts.gate_up_proj` `[E, d_model, 2·d_ff]` (gate half first), `experts.down_proj` `[E, d_ff, d_model]`; `shared_expert.*` | `num_local_experts`, `intermediate_size` (the dense layers': `intermediate_size_mlp`), `moe_layers` (sigmoid top-k scaling the expert's input: the one routing no field states) |
 //!
 //! Every type also accepts the packed layout that `transformers` holds in memory (and some
 //! exports write): `experts.gate_up_proj` `[E, 2·d_ff, d_model]` and `experts.down_proj`
-//! `[E, d_model, d_ff]`. All use `hidden_act`, `hidden_size` and `router_aux_loss_coef`. The
+//! `[E, d_model, d_ff]`, or both transposed (gpt-oss's and Llama 4's layout; the two shapes
+//! together tell which, since `d_model` cannot be both `d_ff` and `2·d_ff`). All use `hidden_act`, `hidden_size` and `router_aux_loss_coef`. The
 //! dense layers of these models (DeepSeek's first `first_k_dense_replace`, Qwen's
 //! `mlp_only_layers`) load with [`HfModel::load_layer`].
 
 use std::path::Path;
 
-use burn::module::Param;
 use burn::tensor::{Device, Tensor, TensorData};
 use serde_json::Value;
 
-use crate::interop::host::{HostTensor, to_pytorch, transpose};
+use crate::interop::host::{HostTensor, to_host, to_pytorch, transpose};
 use crate::interop::safetensors::{TensorFiles, serialize};
 use crate::interop::weights::load_param;
-use crate::{Error, HfModel, Moe, MoeConfig, Scheme, Scoring};
+use crate::{Activation, Error, HfModel, Moe, MoeConfig, Scheme, Scoring};
 
 /// The names and layout of a sparse block in a Hugging Face checkpoint, as
 /// [`Moe::save_safetensors_as`] writes them (and [`HfModel::moe_scheme`] finds them): the
@@ -56,13 +58,24 @@ pub enum MoeScheme {
     /// GraniteMoE: `router.layer.weight`, the experts packed as `input_linear.weight`
     /// `[E, 2·d_ff, d_model]` (gate rows first) and `output_linear.weight` `[E, d_model, d_ff]`.
     GraniteMoe,
+    /// gpt-oss: `router.weight` and `router.bias`; the experts packed as `experts.gate_up_proj`
+    /// `[E, d_model, 2·d_ff]` (gate and up interleaved, gate first) and `experts.down_proj`
+    /// `[E, d_ff, d_model]`, each with a `_bias`.
+    GptOss,
+    /// Llama 4: `router.weight`; the experts packed as `experts.gate_up_proj`
+    /// `[E, d_model, 2·d_ff]` (the gate half first) and `experts.down_proj` `[E, d_ff, d_model]`;
+    /// one ungated `shared_expert.*`.
+    Llama4,
 }
 
 /// The names a sparse block's router has (`{prefix}…`), and those of its experts when they
 /// are packed: `([gate; up] [E, 2·d_ff, d_model], down [E, d_model, d_ff])`. `transformers`
 /// holds every type packed as `experts.gate_up_proj` in memory (and some exports write it);
 /// GraniteMoE's files are packed as `input_linear`/`output_linear`.
-const ROUTERS: [&str; 2] = ["gate.weight", "router.layer.weight"];
+const ROUTERS: [&str; 3] = ["gate.weight", "router.layer.weight", "router.weight"];
+/// The model types whose routing no config field states: Llama 4's sigmoid top-k, whose weight
+/// scales the expert's input ([`MoeConfig::weight_input`]), not renormalised.
+const INPUT_WEIGHTED: [&str; 2] = ["llama4_text", "llama4"];
 const PACKED: [(&str, &str); 2] = [
     ("experts.gate_up_proj", "experts.down_proj"),
     ("input_linear.weight", "output_linear.weight"),
@@ -70,13 +83,15 @@ const PACKED: [(&str, &str); 2] = [
 
 impl MoeScheme {
     /// Every scheme.
-    pub const ALL: [MoeScheme; 6] = [
+    pub const ALL: [MoeScheme; 8] = [
         MoeScheme::Mixtral,
         MoeScheme::Qwen2Moe,
         MoeScheme::Qwen3Moe,
         MoeScheme::DeepseekV2,
         MoeScheme::DeepseekV3,
         MoeScheme::GraniteMoe,
+        MoeScheme::GptOss,
+        MoeScheme::Llama4,
     ];
 
     /// The scheme's name: the `model_type` it is named after.
@@ -88,6 +103,8 @@ impl MoeScheme {
             MoeScheme::DeepseekV2 => "deepseek_v2",
             MoeScheme::DeepseekV3 => "deepseek_v3",
             MoeScheme::GraniteMoe => "granitemoe",
+            MoeScheme::GptOss => "gpt_oss",
+            MoeScheme::Llama4 => "llama4",
         }
     }
 }
@@ -102,12 +119,13 @@ impl std::str::FromStr for MoeScheme {
     type Err = Error;
 
     /// A scheme's name, or a `model_type` that writes it (`olmoe`: Qwen3-MoE's names;
-    /// `qwen3_next`: Qwen2-MoE's).
+    /// `qwen3_next`: Qwen2-MoE's; `llama4_text`: Llama 4's).
     fn from_str(name: &str) -> Result<Self, Error> {
         let normal = crate::normal_name(name);
         match normal.as_str() {
             "olmoe" => return Ok(MoeScheme::Qwen3Moe),
             "qwen3_next" => return Ok(MoeScheme::Qwen2Moe),
+            "llama4_text" => return Ok(MoeScheme::Llama4),
             _ => {}
         }
         Self::ALL
@@ -115,7 +133,7 @@ impl std::str::FromStr for MoeScheme {
             .find(|s| s.name() == normal)
             .ok_or_else(|| {
                 Error::Scheme(format!(
-                    "unknown MoE scheme `{name}`; known: {}, olmoe, qwen3_next",
+                    "unknown MoE scheme `{name}`; known: {}, olmoe, qwen3_next, llama4_text",
                     Self::ALL.map(MoeScheme::name).join(", ")
                 ))
             })
@@ -156,6 +174,42 @@ impl HfModel {
         blocks
     }
 
+    /// Whether the experts are gpt-oss's: a `swiglu_limit` field means OpenAI's clamped SwiGLU
+    /// ([`Activation::SwigluOai`]), whose packed `gate_up_proj` interleaves gate and up. ffn's
+    /// activation has gpt-oss's constants; another `swiglu_limit` or `swiglu_alpha` is refused.
+    fn clamped_swiglu(&self) -> Result<bool, Error> {
+        if self.first_field(&["swiglu_limit"]).is_none() {
+            return Ok(false);
+        }
+        for (field, ours) in [
+            ("swiglu_limit", Activation::OAI_LIMIT),
+            ("swiglu_alpha", Activation::OAI_ALPHA),
+        ] {
+            let stated = self.number(field, ours)?;
+            if stated != ours {
+                return Err(self.error(
+                    field,
+                    format!("is {stated}; ffn's clamped SwiGLU (swiglu_oai) has {ours}"),
+                ));
+            }
+        }
+        Ok(true)
+    }
+
+    /// The names of the block's per-expert projections: Mixtral's `w1`/`w3`/`w2` or
+    /// `{gate,up,down}_proj`.
+    fn expert_names(&self, prefix: &str) -> [&'static str; 3] {
+        if self
+            .files
+            .info(&format!("{prefix}experts.0.w1.weight"))
+            .is_some()
+        {
+            ["w1", "w3", "w2"]
+        } else {
+            ["gate_proj", "up_proj", "down_proj"]
+        }
+    }
+
     /// The key of the router of the block at `prefix`.
     fn router_key(&self, prefix: &str) -> String {
         let key = |r: &str| format!("{prefix}{r}");
@@ -191,6 +245,23 @@ impl HfModel {
         let first =
             |fields: &[&'static str]| self.size(self.first_field(fields).unwrap_or(fields[0]));
         expert.d_ff = first(&["moe_intermediate_size", "intermediate_size"])?;
+        if self.clamped_swiglu()? {
+            expert = expert
+                .with_activation(Activation::SwigluOai)
+                .with_gated(true);
+        }
+        // The experts' biases are what the file holds (packed, or expert 0's).
+        let names = self.expert_names(&prefix);
+        let bias = |packed: &str, name: &str| has(packed) || has(&format!("experts.0.{name}.bias"));
+        let packed_bias = bias("experts.gate_up_proj_bias", names[0]);
+        expert = expert
+            .with_bias_gate(packed_bias)
+            .with_bias_up(packed_bias || has(&format!("experts.0.{}.bias", names[1])))
+            .with_bias_down(bias("experts.down_proj_bias", names[2]));
+        let router_bias = self
+            .files
+            .info(&bias_key(&self.router_key(&prefix)))
+            .is_some();
         let n_experts = first(&["num_local_experts", "num_experts", "n_routed_experts"])?;
         let top_k = self.size("num_experts_per_tok")?;
         if top_k > n_experts {
@@ -206,20 +277,39 @@ impl HfModel {
         };
         // Mixtral's config has no `norm_topk_prob`: it renormalises the top k.
         let mut config = MoeConfig::new(expert, n_experts, top_k)
+            .with_router_bias(router_bias)
             .with_loss_coefs(self.number("router_aux_loss_coef", 0.001)?, 0.0)
             .with_jitter(self.number("router_jitter_noise", 0.0)?)
             .with_normalize_top_k(boolean("norm_topk_prob", true)?);
         config = config.with_routed_scaling(self.number("routed_scaling_factor", 1.0)?);
         if has_any("shared_expert.") {
-            // Qwen2-MoE and Qwen3-Next: one shared expert of its own width, gated by σ(x·w).
-            config = config.with_shared_experts(
-                1,
-                Some(self.size("shared_expert_intermediate_size")?),
-                has("shared_expert_gate.weight"),
-            );
+            // Qwen2-MoE and Qwen3-Next: one shared expert of its own width, gated by σ(x·w);
+            // Llama 4: ungated, and no field states its width (its up projection's rows do).
+            let width = match self.first_field(&["shared_expert_intermediate_size"]) {
+                Some(field) => self.size(field)?,
+                None => {
+                    let key = format!("{prefix}shared_expert.up_proj.weight");
+                    match self.files.info(&key).map(|i| i.shape.as_slice()) {
+                        Some([rows, _]) => *rows,
+                        _ => {
+                            return Err(self.error(
+                                "shared_expert_intermediate_size",
+                                format!("missing, and no 2-D `{key}` to read it from"),
+                            ));
+                        }
+                    }
+                }
+            };
+            config = config.with_shared_experts(1, Some(width), has("shared_expert_gate.weight"));
         } else if has_any("shared_experts.") {
             // DeepSeek: `n_shared_experts` ungated shared experts of the experts' width.
             config = config.with_shared_experts(self.size("n_shared_experts")?, None, false);
+        }
+        if INPUT_WEIGHTED.contains(&kind) {
+            config = config
+                .with_scoring(Scoring::Sigmoid)
+                .with_normalize_top_k(false)
+                .with_weight_input(true);
         }
         let selection_bias = has("gate.e_score_correction_bias");
         let method = self.string("topk_method", "")?;
@@ -254,8 +344,10 @@ impl HfModel {
         Ok(config)
     }
 
-    /// The scheme the sparse blocks are stored in, from their keys: `w1` experts (Mixtral), a
-    /// `shared_expert` (Qwen2-MoE), an `e_score_correction_bias` (DeepSeek-V3), else
+    /// The scheme the sparse blocks are stored in, from their keys and routing: GraniteMoE's
+    /// `router.layer`, a biased router or the clamped SwiGLU (gpt-oss), input-weighted routing
+    /// (Llama 4), `w1` experts (Mixtral), a gated `shared_expert` (Qwen2-MoE), an
+    /// `e_score_correction_bias` (DeepSeek-V3), `shared_experts` (DeepSeek-V2), else
     /// Qwen3-MoE's names.
     pub fn moe_scheme(&self) -> Result<MoeScheme, Error> {
         let config = self.moe_config()?;
@@ -267,17 +359,99 @@ impl HfModel {
         let has = |suffix: &str| self.files.info(&format!("{prefix}{suffix}")).is_some();
         Ok(if has("router.layer.weight") {
             MoeScheme::GraniteMoe
+        } else if config.router_bias || config.expert.activation == Activation::SwigluOai {
+            MoeScheme::GptOss
+        } else if config.weight_input {
+            MoeScheme::Llama4
         } else if has("experts.0.w1.weight") {
             MoeScheme::Mixtral
         } else if config.shared_expert_gate {
             MoeScheme::Qwen2Moe
         } else if config.selection_bias {
             MoeScheme::DeepseekV3
-        } else if config.n_shared_experts > 0 && config.shared_d_ff.is_none() {
+        } else if config.n_shared_experts > 0 && !has("shared_expert.up_proj.weight") {
             MoeScheme::DeepseekV2
         } else {
             MoeScheme::Qwen3Moe
         })
+    }
+
+    /// The layers whose FFN is a sparse block, found by their keys (a router with experts
+    /// beside it), in order; empty for a dense model. Where `config.json` says which layers
+    /// are sparse, the file must agree, or the error names the field: `moe_layers` (Llama 4),
+    /// `first_k_dense_replace` with `moe_layer_freq` (DeepSeek), `interleave_moe_layer_step`
+    /// (Llama 4), `decoder_sparse_step` with `mlp_only_layers` (Qwen-MoE, Qwen3-Next). The other
+    /// layers are dense and load with [`load_layer`](Self::load_layer).
+    pub fn moe_layers(&self) -> Result<Vec<usize>, Error> {
+        let found: Vec<usize> = self.sparse_blocks().into_iter().map(|(l, _)| l).collect();
+        if found.is_empty() {
+            return Ok(found);
+        }
+        let layers = self.num_layers()?;
+        let list = |field: &str| -> Result<Vec<usize>, Error> {
+            match self.config.get(field) {
+                None | Some(Value::Null) => Ok(Vec::new()),
+                Some(Value::Array(items)) => items
+                    .iter()
+                    .map(|v| {
+                        v.as_u64()
+                            .and_then(|n| usize::try_from(n).ok())
+                            .ok_or_else(|| self.error(field, format!("holds {v}, not a layer")))
+                    })
+                    .collect(),
+                Some(v) => Err(self.error(field, format!("must be a list of layers, got {v}"))),
+            }
+        };
+        let step = |field: &str| -> Result<usize, Error> {
+            let n = self.size(field)?;
+            if n == 0 {
+                return Err(self.error(field, "must be at least 1"));
+            }
+            Ok(n)
+        };
+        let (field, stated): (&str, Vec<usize>) = if self.first_field(&["moe_layers"]).is_some() {
+            let mut stated = list("moe_layers")?;
+            stated.sort_unstable();
+            stated.dedup();
+            ("moe_layers", stated)
+        } else if self.first_field(&["first_k_dense_replace"]).is_some() {
+            let first = self.size("first_k_dense_replace")?;
+            let every = match self.first_field(&["moe_layer_freq"]) {
+                Some(field) => step(field)?,
+                None => 1,
+            };
+            let sparse = (first..layers).filter(|i| i % every == 0).collect();
+            ("first_k_dense_replace", sparse)
+        } else if self.first_field(&["interleave_moe_layer_step"]).is_some() {
+            let every = step("interleave_moe_layer_step")?;
+            let sparse = (0..layers).filter(|i| (i + 1) % every == 0).collect();
+            ("interleave_moe_layer_step", sparse)
+        } else if self.first_field(&["decoder_sparse_step"]).is_some() {
+            let every = step("decoder_sparse_step")?;
+            let dense = list("mlp_only_layers")?;
+            let sparse = (0..layers)
+                .filter(|i| (i + 1) % every == 0 && !dense.contains(i))
+                .collect();
+            ("decoder_sparse_step", sparse)
+        } else {
+            return Ok(found);
+        };
+        if stated != found {
+            let show = |layers: &[usize]| {
+                let shown: Vec<String> = layers.iter().take(16).map(usize::to_string).collect();
+                let more = if layers.len() > 16 { ", …" } else { "" };
+                format!("[{}{more}]", shown.join(", "))
+            };
+            return Err(self.error(
+                field,
+                format!(
+                    "makes layers {} sparse, but the file's routers are in layers {}",
+                    show(&stated),
+                    show(&found)
+                ),
+            ));
+        }
+        Ok(found)
     }
 
     /// The key prefix of layer `layer`'s sparse block (its router is `{prefix}gate.weight`); an
@@ -314,54 +488,105 @@ impl HfModel {
         // is built: a config whose sizes disagree with the file allocates nothing.
         let (e_count, d, f) = (config.n_experts, config.d_model(), config.expert.d_ff);
         let router_key = self.router_key(&prefix);
+        let names_of = self.expert_names(&prefix);
         let mut reader = Reader {
             files: &mut self.files,
             used: Vec::new(),
         };
 
         let router = reader.take(&router_key, &[e_count, d])?;
+        let router_bias = if config.router_bias {
+            Some(reader.take(&bias_key(&router_key), &[e_count])?)
+        } else {
+            None
+        };
         let bias = if config.selection_bias {
             Some(reader.take(&format!("{prefix}gate.e_score_correction_bias"), &[e_count])?)
         } else {
             None
         };
-        // The experts' names: Mixtral's `w1`/`w3`/`w2` or `{gate,up,down}_proj`.
-        let names = if reader
-            .files
-            .info(&format!("{prefix}experts.0.w1.weight"))
-            .is_some()
-        {
-            ["w1", "w3", "w2"]
-        } else {
-            ["gate_proj", "up_proj", "down_proj"]
-        };
+        let expert = &config.expert;
+        let interleaved = expert.activation == Activation::SwigluOai;
         let packed = PACKED
             .iter()
             .map(|(gate_up, down)| (format!("{prefix}{gate_up}"), format!("{prefix}{down}")))
             .find(|(gate_up, _)| reader.files.info(gate_up).is_some());
-        // [gate, up, down] stacked in burn's layout: [E, d, f], [E, d, f], [E, f, d].
+        // [gate, up, down] stacked in burn's layout: [E, d, f], [E, d, f], [E, f, d]; and the
+        // biases [E, f], [E, f], [E, d].
         let mut stacked = [Vec::new(), Vec::new(), Vec::new()];
+        let mut biases: [Option<Vec<f64>>; 3] = Default::default();
         if let Some((packed, down)) = packed {
-            let gate_up = reader.take(&packed, &[e_count, 2 * f, d])?;
-            let down = reader.take(&down, &[e_count, d, f])?;
-            let (gate_up, down) = (values(&gate_up), values(&down));
-            for e in 0..e_count {
-                let block = &gate_up[e * 2 * f * d..(e + 1) * 2 * f * d];
-                for (half, out) in stacked.iter_mut().take(2).enumerate() {
-                    let rows =
-                        TensorData::new(block[half * f * d..(half + 1) * f * d].to_vec(), [f, d]);
-                    out.extend(values(&transpose(&rows, f, d)));
+            // PyTorch's Linear layout, or both transposed (gpt-oss, Llama 4): the pair of
+            // shapes tells which (d = f and d = 2f cannot both hold).
+            let shape = |key: &str| reader.files.info(key).map(|i| i.shape.clone());
+            let transposed = shape(&packed) == Some(vec![e_count, d, 2 * f])
+                && shape(&down) == Some(vec![e_count, f, d]);
+            let (gate_up_shape, down_shape) = if transposed {
+                ([e_count, d, 2 * f], [e_count, f, d])
+            } else {
+                ([e_count, 2 * f, d], [e_count, d, f])
+            };
+            let gate_up = values(&reader.take(&packed, &gate_up_shape)?);
+            let down_values = values(&reader.take(&down, &down_shape)?);
+            // Where unit c of the gate (half 0) or of up (half 1) lies along the packed axis:
+            // interleaved (gpt-oss: gate, up, gate, up, …) or in halves.
+            let at = |half: usize, c: usize| {
+                if interleaved {
+                    2 * c + half
+                } else {
+                    half * f + c
                 }
-                let rows = TensorData::new(down[e * d * f..(e + 1) * d * f].to_vec(), [d, f]);
-                stacked[2].extend(values(&transpose(&rows, d, f)));
+            };
+            for e in 0..e_count {
+                for (half, out) in stacked.iter_mut().take(2).enumerate() {
+                    for i in 0..d {
+                        out.extend((0..f).map(|c| {
+                            let j = at(half, c);
+                            if transposed {
+                                gate_up[(e * d + i) * 2 * f + j]
+                            } else {
+                                gate_up[(e * 2 * f + j) * d + i]
+                            }
+                        }));
+                    }
+                }
+                for c in 0..f {
+                    stacked[2].extend((0..d).map(|i| {
+                        if transposed {
+                            down_values[(e * f + c) * d + i]
+                        } else {
+                            down_values[(e * d + i) * f + c]
+                        }
+                    }));
+                }
+            }
+            if expert.bias_gate {
+                let b = values(&reader.take(&format!("{packed}_bias"), &[e_count, 2 * f])?);
+                for (half, out) in biases.iter_mut().take(2).enumerate() {
+                    let units = (0..e_count).flat_map(|e| (0..f).map(move |c| (e, c)));
+                    *out = Some(units.map(|(e, c)| b[e * 2 * f + at(half, c)]).collect());
+                }
+            }
+            if expert.bias_down {
+                biases[2] = Some(values(
+                    &reader.take(&format!("{down}_bias"), &[e_count, d])?,
+                ));
             }
         } else {
+            let layout = [
+                (expert.bias_gate, [f, d]),
+                (expert.bias_up, [f, d]),
+                (expert.bias_down, [d, f]),
+            ];
             for e in 0..e_count {
-                for (i, name) in names.iter().enumerate() {
-                    let shape = if i == 2 { [d, f] } else { [f, d] };
-                    let key = format!("{prefix}experts.{e}.{name}.weight");
-                    let w = reader.take(&key, &shape)?;
+                for (i, (name, (has_bias, shape))) in names_of.iter().zip(layout).enumerate() {
+                    let key = format!("{prefix}experts.{e}.{name}");
+                    let w = reader.take(&format!("{key}.weight"), &shape)?;
                     stacked[i].extend(values(&transpose(&w, shape[0], shape[1])));
+                    if has_bias {
+                        let b = reader.take(&format!("{key}.bias"), &shape[..1])?;
+                        biases[i].get_or_insert_with(Vec::new).extend(values(&b));
+                    }
                 }
             }
         }
@@ -389,9 +614,20 @@ impl HfModel {
                     .is_some_and(|p| key.starts_with(p.as_str()))
         });
         if let Some(key) = unexpected {
+            let biased = [
+                expert.bias_gate,
+                expert.bias_up,
+                expert.bias_down,
+                config.router_bias,
+            ];
+            let biases = if biased.iter().any(|b| *b) {
+                "the biases config.json and the file's other keys imply"
+            } else {
+                "no biases"
+            };
             return Err(Error::UnexpectedTensor {
                 key: key.to_string(),
-                hint: format!(" (the layer has {e_count} experts of [{f}, {d}] and no biases)"),
+                hint: format!(" (the layer has {e_count} experts of [{f}, {d}] and {biases})"),
             });
         }
         let mut moe = config.try_init(device)?;
@@ -399,12 +635,17 @@ impl HfModel {
             moe.shared = Some(shared.load_from(files, Scheme::Llama, p)?);
         }
         let [gate, up, down] = stacked;
+        let [b_gate, b_up, b_down] = biases;
         Ok(moe.load_parts(Parts {
             router: transpose(&router, e_count, d),
+            router_bias,
             selection_bias: bias,
             w_gate: TensorData::new(gate, [e_count, d, f]),
             w_up: TensorData::new(up, [e_count, d, f]),
             w_down: TensorData::new(down, [e_count, f, d]),
+            b_gate: b_gate.map(|b| TensorData::new(b, [e_count, f])),
+            b_up: b_up.map(|b| TensorData::new(b, [e_count, f])),
+            b_down: b_down.map(|b| TensorData::new(b, [e_count, d])),
             shared_gate: shared_gate.map(|g| transpose(&g, 1, d)),
         }))
     }
@@ -413,14 +654,14 @@ impl HfModel {
 impl Moe {
     /// The bytes of a safetensors file holding this layer under `prefix` (such as
     /// `model.layers.3.mlp.`) in the names and layout of `scheme`, as `save_pretrained`
-    /// writes them: the router, per-expert tensors, the shared experts and their gate,
-    /// DeepSeek-V3's `e_score_correction_bias`.
+    /// writes them: the router (and its bias), the experts per expert or packed (and their
+    /// biases), the shared experts and their gate, DeepSeek-V3's `e_score_correction_bias`.
     ///
     /// # Errors
     ///
-    /// [`Error::Scheme`] for a layer the scheme cannot hold (biases in the experts or the
-    /// router, ungated experts, shared experts where the scheme has none or of another form, a
-    /// missing selection bias for DeepSeek-V3).
+    /// [`Error::Scheme`] for a layer the scheme cannot hold: ungated experts; biases in the
+    /// experts or the router (gpt-oss's only, which needs all four); shared experts where the
+    /// scheme has none or of another form; a missing selection bias for DeepSeek-V3.
     pub fn to_safetensors_bytes_as(
         &self,
         scheme: MoeScheme,
@@ -431,68 +672,101 @@ impl Moe {
                 "a `{scheme}` MoE layer cannot hold this layer: {what}"
             )))
         };
-        if self.w_gate.is_none() {
+        let Some(w_gate) = &self.w_gate else {
             return refuse("its experts are ungated");
+        };
+        let gpt_oss = scheme == MoeScheme::GptOss;
+        let biases = [
+            self.b_gate.is_some(),
+            self.b_up.is_some(),
+            self.b_down.is_some(),
+            self.router.bias.is_some(),
+        ];
+        if gpt_oss && biases.contains(&false) {
+            return refuse("gpt-oss's router and experts have biases, and this layer's not all");
         }
-        if self.b_gate().is_some() || self.b_up().is_some() || self.b_down().is_some() {
-            return refuse("its experts have biases");
-        }
-        if self.router.bias.is_some() {
-            return refuse("its router has a bias");
+        if !gpt_oss && biases.contains(&true) {
+            return refuse("its experts or its router have biases");
         }
         let deepseek = matches!(scheme, MoeScheme::DeepseekV2 | MoeScheme::DeepseekV3);
         if self.selection_bias.is_some() != (scheme == MoeScheme::DeepseekV3) {
             return refuse("the selection bias is DeepSeek-V3's only, and it needs one");
         }
+        // (shared experts, their gate) the scheme holds.
         let shared_form = match scheme {
             MoeScheme::Qwen2Moe => (true, true),
             MoeScheme::DeepseekV2 | MoeScheme::DeepseekV3 => (self.shared.is_some(), false),
-            MoeScheme::Mixtral | MoeScheme::Qwen3Moe | MoeScheme::GraniteMoe => (false, false),
+            MoeScheme::Llama4 => (true, false),
+            MoeScheme::Mixtral
+            | MoeScheme::Qwen3Moe
+            | MoeScheme::GraniteMoe
+            | MoeScheme::GptOss => (false, false),
         };
         if (self.shared.is_some(), self.shared_gate.is_some()) != shared_form {
             return refuse("its shared experts (or their gate) differ from the type's");
         }
         let mut tensors: Vec<(String, HostTensor)> = Vec::new();
         let mut put =
-            |name: String, tensor: HostTensor| tensors.push((format!("{prefix}{name}"), tensor));
-        let granite = scheme == MoeScheme::GraniteMoe;
-        let router = if granite {
-            "router.layer.weight"
-        } else {
-            "gate.weight"
+            |name: &str, tensor: HostTensor| tensors.push((format!("{prefix}{name}"), tensor));
+        let router = match scheme {
+            MoeScheme::GraniteMoe => "router.layer.weight",
+            MoeScheme::GptOss | MoeScheme::Llama4 => "router.weight",
+            _ => "gate.weight",
         };
-        put(router.into(), to_pytorch(self.router.weight.val()));
+        put(router, to_pytorch(self.router.weight.val()));
+        if let Some(bias) = &self.router.bias {
+            put(&bias_key(router), to_pytorch(bias.val()));
+        }
         if let Some(bias) = &self.selection_bias {
-            put(
-                "gate.e_score_correction_bias".into(),
-                to_pytorch(bias.val()),
-            );
+            put("gate.e_score_correction_bias", to_pytorch(bias.val()));
         }
-        let names = match scheme {
-            MoeScheme::Mixtral => ["w1", "w3", "w2"],
-            _ => ["gate_proj", "up_proj", "down_proj"],
-        };
-        let stacked = [
-            self.w_gate.as_ref().expect("gated"),
-            &self.w_up,
-            &self.w_down,
-        ];
-        if granite {
-            // Packed in PyTorch's layout: [E, 2·d_ff, d_model] (gate rows first), [E, d_model, d_ff].
-            let [gate, up, down] = stacked.map(|p| p.val().swap_dims(1, 2));
-            put(
-                "input_linear.weight".into(),
-                to_pytorch(Tensor::cat(vec![gate, up], 1)),
-            );
-            put("output_linear.weight".into(), to_pytorch(down));
-        }
-        for e in (0..self.n_experts()).filter(|_| !granite) {
-            for (name, param) in names.iter().zip(stacked) {
-                let matrix = |p: &Param<Tensor<3>>| p.val().narrow(0, e, 1).squeeze_dim::<2>(0);
+        let [gate, up, down] = [w_gate, &self.w_up, &self.w_down].map(|p| p.val());
+        match scheme {
+            MoeScheme::GraniteMoe => {
+                // PyTorch's layout: [E, 2·d_ff, d_model] (gate rows first), [E, d_model, d_ff].
+                let [gate, up, down] = [gate, up, down].map(|t| t.swap_dims(1, 2));
                 put(
-                    format!("experts.{e}.{name}.weight"),
-                    to_pytorch(matrix(param)),
+                    "input_linear.weight",
+                    to_pytorch(Tensor::cat(vec![gate, up], 1)),
                 );
+                put("output_linear.weight", to_pytorch(down));
+            }
+            MoeScheme::GptOss | MoeScheme::Llama4 => {
+                // burn's own layout: [E, d_model, 2·d_ff], [E, d_ff, d_model]; gpt-oss
+                // interleaves gate and up along the last axis, Llama 4 stacks the halves.
+                let pack = |gate: Tensor<3>, up: Tensor<3>| -> Tensor<3> {
+                    let [e, rows, f] = gate.dims();
+                    if gpt_oss {
+                        Tensor::stack::<4>(vec![gate, up], 3).reshape([e, rows, 2 * f])
+                    } else {
+                        Tensor::cat(vec![gate, up], 2)
+                    }
+                };
+                put("experts.gate_up_proj", to_pytorch(pack(gate, up)));
+                put("experts.down_proj", to_pytorch(down));
+                if let (Some(b_gate), Some(b_up), Some(b_down)) =
+                    (&self.b_gate, &self.b_up, &self.b_down)
+                {
+                    let packed = pack(b_gate.val().unsqueeze_dim(1), b_up.val().unsqueeze_dim(1));
+                    // 2-D, but not weights: [E, 2·d_ff] and [E, d_model] as they are.
+                    put(
+                        "experts.gate_up_proj_bias",
+                        to_host(packed.squeeze_dim::<2>(1)),
+                    );
+                    put("experts.down_proj_bias", to_host(b_down.val()));
+                }
+            }
+            _ => {
+                let names = match scheme {
+                    MoeScheme::Mixtral => ["w1", "w3", "w2"],
+                    _ => ["gate_proj", "up_proj", "down_proj"],
+                };
+                for e in 0..self.n_experts() {
+                    for (name, param) in names.iter().zip([&gate, &up, &down]) {
+                        let matrix = param.clone().narrow(0, e, 1).squeeze_dim::<2>(0);
+                        put(&format!("experts.{e}.{name}.weight"), to_pytorch(matrix));
+                    }
+                }
             }
         }
         if let Some(shared) = &self.shared {
@@ -519,16 +793,13 @@ impl Moe {
                 ("down_proj", shared.down()),
             ] {
                 put(
-                    format!("{stem}.{name}.weight"),
+                    &format!("{stem}.{name}.weight"),
                     to_pytorch(linear.weight.val()),
                 );
             }
         }
         if let Some(gate) = &self.shared_gate {
-            put(
-                "shared_expert_gate.weight".into(),
-                to_pytorch(gate.weight.val()),
-            );
+            put("shared_expert_gate.weight", to_pytorch(gate.weight.val()));
         }
         tensors.sort_by(|a, b| a.0.cmp(&b.0));
         Ok(serialize(&tensors, &[]))
@@ -555,16 +826,32 @@ impl Moe {
 /// Loaded values in burn's layout.
 pub(crate) struct Parts {
     router: TensorData,
+    router_bias: Option<TensorData>,
     selection_bias: Option<TensorData>,
     w_gate: TensorData,
     w_up: TensorData,
     w_down: TensorData,
+    b_gate: Option<TensorData>,
+    b_up: Option<TensorData>,
+    b_down: Option<TensorData>,
     shared_gate: Option<TensorData>,
 }
 
 impl Moe {
     fn load_parts(mut self, parts: Parts) -> Self {
         self.router.weight = load_param(&self.router.weight, parts.router);
+        if let (Some(param), Some(b)) = (self.router.bias.as_mut(), parts.router_bias) {
+            *param = load_param(param, b);
+        }
+        for (param, b) in [
+            (self.b_gate.as_mut(), parts.b_gate),
+            (self.b_up.as_mut(), parts.b_up),
+            (self.b_down.as_mut(), parts.b_down),
+        ] {
+            if let (Some(param), Some(b)) = (param, b) {
+                *param = load_param(param, b);
+            }
+        }
         if let (Some(param), Some(bias)) = (self.selection_bias.as_mut(), parts.selection_bias) {
             *param = load_param(param, bias);
         }
@@ -578,6 +865,11 @@ impl Moe {
         }
         self
     }
+}
+
+/// The bias beside a weight: `….weight` → `….bias`.
+fn bias_key(weight: &str) -> String {
+    format!("{}bias", weight.strip_suffix("weight").unwrap_or(weight))
 }
 
 fn values(data: &TensorData) -> Vec<f64> {
