@@ -1,16 +1,20 @@
-//! Round trip through PyTorch: loads layer 1 of each `transformers` fixture, writes its FFN back
-//! in the model's own naming (no prefix) with the output of the loaded FFN beside it, for
-//! `tools/hf_fixtures.py --check-export DIR` to load into the model's FFN submodule with
-//! `strict=True` and compare.
+//! Round trip through PyTorch: loads layer 1 of every `transformers` fixture (the dense FFN of
+//! each folder with an `ffn_io.safetensors`, the sparse block of each with a
+//! `moe_io.safetensors`), writes it back in the model's own names under its own prefix, with
+//! the output of the loaded layer beside it. `tools/hf_fixtures.py --check-export DIR` then
+//! puts each file in place of that layer's tensors in a copy of the checkpoint, loads the copy
+//! with `from_pretrained` (no key missing, unexpected or mismatched), and compares the layer's
+//! output with the one Rust stored.
 //!
 //! ```text
 //! cargo run --example hf_export -- /tmp/ffn-export
 //! python3 tools/hf_fixtures.py --check-export /tmp/ffn-export
 //! ```
 
-use std::path::PathBuf;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
 
-use burn::tensor::{Device, Tensor, TensorData};
+use burn::tensor::{DType, Device, Tensor, TensorData};
 use ffn_model::HfModel;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -19,40 +23,68 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let fixtures =
         PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("crates/ffn-test-support/data/hf");
     let device = Device::flex();
-    for name in ["bert", "t5-relu", "t5-gated", "llama", "gpt2"] {
-        let mut model = HfModel::open(fixtures.join(name))?;
-        let ffn = model.load_layer(1, &device)?;
-        ffn.save_safetensors_as(
-            out.join(format!("{name}.layer1.safetensors")),
-            model.scheme(),
-            "",
-        )?;
-
-        let io = std::fs::read(fixtures.join(name).join("ffn_io.safetensors"))?;
-        let io = safetensors::SafeTensors::deserialize(&io)?;
-        let x = io.tensor("x")?;
-        let values: Vec<f32> = x
-            .data()
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-            .collect();
-        let x = Tensor::<3>::from_data(TensorData::new(values, x.shape().to_vec()), &device);
-        let y = ffn.forward(x).into_data();
+    let mut folders: Vec<PathBuf> = std::fs::read_dir(&fixtures)?
+        .map(|entry| entry.map(|e| e.path()))
+        .collect::<Result<_, _>>()?;
+    folders.sort();
+    for folder in folders {
+        let name = folder.file_name().and_then(|n| n.to_str()).unwrap_or("?");
+        // One checkpoint per model: the sharded and bfloat16 copies of llama are left out.
+        if !folder.join("model.safetensors").is_file() {
+            continue;
+        }
+        let mut model = HfModel::open(&folder)?;
+        let weights = out.join(format!("{name}.layer1.safetensors"));
+        let (prefix, x, y) = if folder.join("moe_io.safetensors").is_file() {
+            let prefix = model.moe_layer_prefix(1)?;
+            let moe = model.load_moe_layer(1, &device)?;
+            moe.save_safetensors_as(&weights, model.moe_scheme()?, &prefix)?;
+            let x = input(&folder.join("moe_io.safetensors"), &device)?;
+            (prefix, x.clone(), moe.forward(x).output)
+        } else if folder.join("ffn_io.safetensors").is_file() {
+            let prefix = model.layer_prefix(1)?;
+            let ffn = model.load_layer(1, &device)?;
+            ffn.save_safetensors_as(&weights, model.scheme(), &prefix)?;
+            let x = input(&folder.join("ffn_io.safetensors"), &device)?;
+            (prefix, x.clone(), ffn.forward(x))
+        } else {
+            continue;
+        };
+        drop(x);
+        let y = y.into_data();
         let bytes: Vec<u8> = y.iter::<f32>().flat_map(f32::to_le_bytes).collect();
         let view = safetensors::tensor::TensorView::new(
             safetensors::Dtype::F32,
             y.shape().to_vec(),
             &bytes,
         )?;
+        let metadata = HashMap::from([("prefix".to_string(), prefix.clone())]);
         std::fs::write(
             out.join(format!("{name}.layer1.output.safetensors")),
-            safetensors::serialize([("y", view)], None)?,
+            safetensors::serialize([("y", view)], Some(metadata))?,
         )?;
-        println!(
-            "{name}: {} scheme, wrote {}",
-            model.scheme(),
-            out.join(format!("{name}.layer1.safetensors")).display()
-        );
+        println!("{name}: layer 1 (`{prefix}`) → {}", weights.display());
     }
     Ok(())
+}
+
+/// The input `x` of a fixture's `*_io.safetensors` (f32 or f64), as an f32 tensor.
+fn input(path: &Path, device: &Device) -> Result<Tensor<3>, Box<dyn std::error::Error>> {
+    let bytes = std::fs::read(path)?;
+    let file = safetensors::SafeTensors::deserialize(&bytes)?;
+    let x = file.tensor("x")?;
+    let values: Vec<f64> = match x.dtype() {
+        safetensors::Dtype::F64 => x
+            .data()
+            .chunks_exact(8)
+            .map(|c| f64::from_le_bytes(c.try_into().expect("8 bytes")))
+            .collect(),
+        _ => x
+            .data()
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")) as f64)
+            .collect(),
+    };
+    let data = TensorData::new(values, x.shape().to_vec());
+    Ok(Tensor::<3>::from_data(data, (device, DType::F32)))
 }

@@ -23,9 +23,11 @@ into <name>/ffn_io.safetensors (x, y.0, y.1). The Rust tests load each folder an
 
     pip install torch transformers safetensors && python3 tools/hf_fixtures.py [NAME ...]
 
-With --check-export DIR it instead loads the files Rust exported into DIR (one per model,
-`<name>.layer1.safetensors`, in the model's own naming) into the model's FFN submodule with
-strict=True and compares its output with the Rust output stored beside them.
+With --check-export DIR it instead checks the files `cargo run --example hf_export -- DIR` wrote
+(layer 1 of every dense and MoE fixture, `<name>.layer1.safetensors`, in the model's own names):
+each replaces that layer's tensors in a copy of the checkpoint, `from_pretrained` must load the
+copy with no key missing, unexpected or mismatched, and the layer's output must match both the
+fixture's and the one Rust stored, within 1e-5.
 """
 
 import argparse
@@ -35,6 +37,7 @@ import shutil
 
 import torch
 import transformers
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 OUT = pathlib.Path(__file__).resolve().parent.parent / "crates/ffn-test-support/data/hf"
@@ -215,23 +218,60 @@ def make(only=None):
 
 
 def check_export(directory):
+    """Loads each checkpoint with layer 1 replaced by the file Rust exported (see
+    examples/hf_export.rs) and compares that layer's output with the one Rust stored and the
+    fixture's own."""
+    import sys
+    import tempfile
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+    import moe_fixtures
+
+    dense, sparse = models(), moe_fixtures.models()
     directory = pathlib.Path(directory)
     worst = {}
-    for name in ["bert", "t5-relu", "t5-gated", "llama", "gpt2"]:
-        cls, config, _ = models()[name]
-        model = cls.from_pretrained(OUT / name).eval()
-        module = ffn_module(name, model, 1)
-        state = load_file(str(directory / f"{name}.layer1.safetensors"))
-        module.load_state_dict(state, strict=True)
-        io = load_file(str(OUT / name / "ffn_io.safetensors"))
-        rust = load_file(str(directory / f"{name}.layer1.output.safetensors"))["y"]
+    for exported in sorted(directory.glob("*.layer1.safetensors")):
+        name = exported.name.removesuffix(".layer1.safetensors")
+        output = safe_open(str(directory / f"{name}.layer1.output.safetensors"), "pt")
+        prefix, rust = output.metadata()["prefix"], output.get_tensor("y")
+        ours = load_file(str(exported))
+        assert ours and all(k.startswith(prefix) for k in ours), (name, sorted(ours))
+        # The checkpoint without every tensor of the modules ffn wrote (a module is a key less
+        # its last part: `…fc1`, `…mlp.experts`), then with ffn's file in their place: a
+        # parameter ffn left out of a module is then missing.
+        module = lambda key: key.rsplit(".", 1)[0]  # noqa: E731
+        written = {module(k) for k in ours}
+        state = {k: v for k, v in load_file(str(OUT / name / "model.safetensors")).items()
+                 if module(k) not in written}
+        state.update(ours)
+        kind = name.replace("-bf16", "")  # llama-bf16: llama's model, saved in bfloat16
+        cls = (dense[kind] if kind in dense else sparse[kind])[0]
+        with tempfile.TemporaryDirectory() as tmp:
+            shutil.copy(OUT / name / "config.json", tmp)
+            save_file(state, str(pathlib.Path(tmp) / "model.safetensors"), metadata={"format": "pt"})
+            model, info = cls.from_pretrained(tmp, output_loading_info=True, dtype=torch.float32)
+        problems = {k: v for k, v in info.items() if v and k != "error_msgs"}
+        assert not problems and not info.get("error_msgs"), (name, info)
+        model.eval()
         with torch.no_grad():
-            if name == "bert":
-                y = module.output.dense(model.bert.encoder.layer[1].intermediate.intermediate_act_fn(module.intermediate.dense(io["x"])))
+            if kind in dense:
+                io = load_file(str(OUT / name / "ffn_io.safetensors"))
+                x, reference = io["x"], io["y.1"]
+                y = dense[kind][2](model, 1)(x)
             else:
-                y = module(io["x"])
-        worst[name] = max((y - io["y.1"]).abs().max().item(), (y - rust).abs().max().item())
-        print(f"{name}: strict load ok, max |PyTorch(exported) - reference| = {worst[name]:.2e}")
+                io = load_file(str(OUT / name / "moe_io.safetensors"))
+                x, reference = io["x"].float(), io["y"].float()
+                layer = model.model.layers[1]
+                block = next(getattr(layer, a) for a in ("mlp", "block_sparse_moe", "feed_forward")
+                             if hasattr(layer, a))
+                y = block(x)
+                y = (y[0] if isinstance(y, tuple) else y).reshape(x.shape)
+        # Relative to the output's scale (gpt-oss's wide experts give outputs in the tens).
+        scale = max(1.0, reference.abs().max().item())
+        worst[name] = max((y - reference).abs().max().item(), (y - rust).abs().max().item()) / scale
+        print(f"{name}: from_pretrained ok ({len(ours)} tensors under `{prefix}`), "
+              f"max |output - reference| / scale = {worst[name]:.2e}")
+    assert worst, f"no exports in {directory}"
     assert all(v < 1e-5 for v in worst.values()), worst
 
 
