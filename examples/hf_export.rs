@@ -38,7 +38,27 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let (prefix, x, y) = if folder.join("moe_io.safetensors").is_file() {
             let prefix = model.moe_layer_prefix(1)?;
             let moe = model.load_moe_layer(1, &device)?;
-            moe.save_safetensors_as(&weights, model.moe_scheme()?, &prefix)?;
+            let scheme = model.moe_scheme()?;
+            moe.save_safetensors_as(&weights, scheme, &prefix)?;
+            // A family no scheme writes (Jamba's `router.weight`, EXAONE-MoE's bias beside its
+            // router) loads, but is written in another family's names: left out.
+            let keys = |path: &Path| -> Result<Vec<String>, Box<dyn std::error::Error>> {
+                let bytes = std::fs::read(path)?;
+                let file = safetensors::SafeTensors::deserialize(&bytes)?;
+                let mut keys: Vec<String> = file
+                    .names()
+                    .into_iter()
+                    .filter(|k| k.starts_with(&prefix))
+                    .map(str::to_string)
+                    .collect();
+                keys.sort();
+                Ok(keys)
+            };
+            if keys(&weights)? != keys(&folder.join("model.safetensors"))? {
+                std::fs::remove_file(&weights)?;
+                println!("{name}: left out (no MoeScheme writes its names; `{scheme}` is closest)");
+                continue;
+            }
             let x = input(&folder.join("moe_io.safetensors"), &device)?;
             (prefix, x.clone(), moe.forward(x).output)
         } else if folder.join("ffn_io.safetensors").is_file() {

@@ -24,7 +24,10 @@ e_score_correction_bias, routed scaling 2.5, a shared expert; layer 0 dense), gp
 router, softmax of the top-2 logits, biased experts packed [E, hidden, 2f] with gate and up
 interleaved, the clamped SwiGLU; its experts drawn wide enough to cross the clips), llama4_text
 (sigmoid top-1 that scales the expert's input, experts packed [E, hidden, 2f], an ungated shared
-expert; layer 0 dense, of its own width intermediate_size_mlp).
+expert; layer 0 dense, of its own width intermediate_size_mlp); and six families the reader was
+not written against: glm4_moe, dots1 and exaone_moe (DeepSeek-V3's routing; EXAONE keeps the
+selection bias beside the router), minimax (Mixtral's), flex_olmo (OLMoE's), jamba (softmax
+top-2 not renormalised, with no field to say so).
 
     pip install torch transformers safetensors && python3 tools/moe_fixtures.py [NAME ...]
 """
@@ -81,6 +84,29 @@ def models():
             **common, intermediate_size=EXPERT, intermediate_size_mlp=20, num_local_experts=4,
             num_experts_per_tok=1, head_dim=8, interleave_moe_layer_step=2,
             no_rope_layers=[1, 1], attention_chunk_size=8)),
+        # Families the reader was not written against (loaded by their keys and fields alone).
+        "glm4_moe": (transformers.Glm4MoeForCausalLM, transformers.Glm4MoeConfig(
+            **common, intermediate_size=20, moe_intermediate_size=EXPERT, n_routed_experts=8,
+            num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1,
+            routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1, head_dim=8)),
+        "minimax": (transformers.MiniMaxForCausalLM, transformers.MiniMaxConfig(
+            **common, intermediate_size=EXPERT, num_local_experts=4, num_experts_per_tok=2,
+            head_dim=8, layer_types=["full_attention", "full_attention"])),
+        "flex_olmo": (transformers.FlexOlmoForCausalLM, transformers.FlexOlmoConfig(
+            **common, intermediate_size=EXPERT, num_experts=4, num_experts_per_tok=2, pad_token_id=0)),
+        "dots1": (transformers.Dots1ForCausalLM, transformers.Dots1Config(
+            **common, intermediate_size=20, moe_intermediate_size=EXPERT, n_routed_experts=8,
+            num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1,
+            routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1, head_dim=8,
+            layer_types=["full_attention", "full_attention"])),
+        "exaone_moe": (transformers.ExaoneMoeForCausalLM, transformers.ExaoneMoeConfig(
+            **common, intermediate_size=20, moe_intermediate_size=EXPERT, num_experts=8,
+            num_experts_per_tok=2, n_group=4, topk_group=2, num_shared_experts=1,
+            routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1, head_dim=8)),
+        "jamba": (transformers.JambaForCausalLM, transformers.JambaConfig(
+            **common, intermediate_size=EXPERT, num_experts=4, num_experts_per_tok=2,
+            expert_layer_period=1, expert_layer_offset=0, attn_layer_period=1, attn_layer_offset=0,
+            use_mamba_kernels=False)),
     }
 
 

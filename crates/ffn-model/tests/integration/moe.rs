@@ -694,7 +694,9 @@ fn random_configs_validate_or_run() {
 /// `HfModel::load_moe_layer`: output, router logits and the gradients of the input, the router
 /// and expert 1, against `transformers` run in f64 on the same (f32) weights: within 2e-5 in
 /// f32 and 1e-6 in f64 (`transformers` computes the routing scores in f32 even then, which
-/// leaves 1e-7 differences).
+/// leaves 1e-7 differences). The last six are families the reader was not written against:
+/// they load by their keys and fields (Jamba needed one table entry: it does not renormalise
+/// its top k, and no field says so).
 #[test]
 fn hugging_face_moe_layers_match_transformers() {
     use ffn_model::HfModel;
@@ -710,6 +712,12 @@ fn hugging_face_moe_layers_match_transformers() {
         "deepseek_v3",
         "gpt_oss",
         "llama4_text",
+        "glm4_moe",
+        "minimax",
+        "flex_olmo",
+        "dots1",
+        "exaone_moe",
+        "jamba",
     ] {
         let folder = ffn_test_support::data_file(&format!("hf/{name}"));
         let mut model = HfModel::open(&folder).unwrap();
@@ -868,17 +876,24 @@ fn broken_moe_checkpoints_are_typed_errors() {
 #[test]
 fn moe_layers_save_back_to_their_checkpoint_names() {
     use ffn_model::{Error, HfModel};
-    for (name, block) in [
-        ("mixtral", "block_sparse_moe"),
-        ("qwen2_moe", "mlp"),
-        ("qwen3_moe", "mlp"),
-        ("olmoe", "mlp"),
-        ("granitemoe", "block_sparse_moe"),
-        ("qwen3_next", "mlp"),
-        ("deepseek_v2", "mlp"),
-        ("deepseek_v3", "mlp"),
-        ("gpt_oss", "mlp"),
-        ("llama4_text", "feed_forward"),
+    // (fixture, block, the scheme its keys follow: the model type's own where one is named
+    // after it)
+    for (name, block, follows) in [
+        ("mixtral", "block_sparse_moe", "mixtral"),
+        ("qwen2_moe", "mlp", "qwen2_moe"),
+        ("qwen3_moe", "mlp", "qwen3_moe"),
+        ("olmoe", "mlp", "olmoe"),
+        ("granitemoe", "block_sparse_moe", "granitemoe"),
+        ("qwen3_next", "mlp", "qwen3_next"),
+        ("deepseek_v2", "mlp", "deepseek_v2"),
+        ("deepseek_v3", "mlp", "deepseek_v3"),
+        ("gpt_oss", "mlp", "gpt_oss"),
+        ("llama4_text", "feed_forward", "llama4_text"),
+        // Families no scheme is named after, written in the names of the one they follow.
+        ("glm4_moe", "mlp", "deepseek_v3"),
+        ("dots1", "mlp", "deepseek_v3"),
+        ("minimax", "block_sparse_moe", "mixtral"),
+        ("flex_olmo", "mlp", "qwen3_moe"),
     ] {
         let folder = ffn_test_support::data_file(&format!("hf/{name}"));
         let moe = HfModel::open(&folder)
@@ -886,11 +901,11 @@ fn moe_layers_save_back_to_their_checkpoint_names() {
             .load_moe_layer(1, &Device::flex())
             .unwrap();
         let prefix = format!("model.layers.1.{block}.");
-        // The scheme the keys show is the model type's (OLMoE's is Qwen3-MoE's).
+        // The scheme the keys show (OLMoE's is Qwen3-MoE's).
         let scheme = HfModel::open(&folder).unwrap().moe_scheme().unwrap();
         assert_eq!(
             scheme,
-            name.parse::<ffn_model::MoeScheme>().unwrap(),
+            follows.parse::<ffn_model::MoeScheme>().unwrap(),
             "{name}"
         );
         let saved = moe.to_safetensors_bytes_as(scheme, &prefix).unwrap();
@@ -916,7 +931,7 @@ fn moe_layers_save_back_to_their_checkpoint_names() {
             );
             assert!(a.data() == b.data(), "{name} {key}: values differ");
         }
-        let other = if name == "deepseek_v3" {
+        let other = if scheme == ffn_model::MoeScheme::DeepseekV3 {
             ffn_model::MoeScheme::Mixtral
         } else {
             ffn_model::MoeScheme::DeepseekV3
@@ -950,6 +965,12 @@ fn sparse_layers_are_found_and_agree_with_the_config() {
         ("deepseek_v3", &[1]),
         ("gpt_oss", &[0, 1]),
         ("llama4_text", &[1]),
+        ("glm4_moe", &[1]),
+        ("minimax", &[0, 1]),
+        ("flex_olmo", &[0, 1]),
+        ("dots1", &[1]),
+        ("exaone_moe", &[1]),
+        ("jamba", &[0, 1]),
         ("llama", &[]),
     ] {
         let model = HfModel::open(ffn_test_support::data_file(&format!("hf/{name}"))).unwrap();

@@ -332,16 +332,25 @@ impl HfModel {
 
     /// A size or count: an integer in `1..=MAX_DIM`.
     pub(crate) fn size(&self, field: &str) -> Result<usize, Error> {
+        self.integer(field, 1)
+    }
+
+    /// A layer index or a count that may be zero: an integer in `0..=MAX_DIM`.
+    pub(crate) fn index(&self, field: &str) -> Result<usize, Error> {
+        self.integer(field, 0)
+    }
+
+    fn integer(&self, field: &str, low: u64) -> Result<usize, Error> {
         match self.config.get(field) {
             Some(v) => v
                 .as_u64()
-                .filter(|&n| (1..=crate::MAX_DIM as u64).contains(&n))
+                .filter(|&n| (low..=crate::MAX_DIM as u64).contains(&n))
                 .map(|n| n as usize)
                 .ok_or_else(|| {
                     self.error(
                         field,
                         format!(
-                            "must be an integer from 1 to {}, got {}",
+                            "must be an integer from {low} to {}, got {}",
                             crate::MAX_DIM,
                             crate::error::clip(&v.to_string())
                         ),

@@ -73,9 +73,15 @@ pub enum MoeScheme {
 /// holds every type packed as `experts.gate_up_proj` in memory (and some exports write it);
 /// GraniteMoE's files are packed as `input_linear`/`output_linear`.
 const ROUTERS: [&str; 3] = ["gate.weight", "router.layer.weight", "router.weight"];
+/// Where a block keeps DeepSeek-V3's selection bias: on its router (DeepSeek-V3, GLM-4-MoE,
+/// dots.llm1) or beside it (EXAONE-MoE).
+const SELECTION_BIAS: [&str; 2] = ["gate.e_score_correction_bias", "e_score_correction_bias"];
 /// The model types whose routing no config field states: Llama 4's sigmoid top-k, whose weight
 /// scales the expert's input ([`MoeConfig::weight_input`]), not renormalised.
 const INPUT_WEIGHTED: [&str; 2] = ["llama4_text", "llama4"];
+/// The model types that leave the top-k weights as they are with no `norm_topk_prob` field to
+/// say so (a config without one renormalises, as Mixtral does).
+const UNNORMALISED: [&str; 1] = ["jamba"];
 const PACKED: [(&str, &str); 2] = [
     ("experts.gate_up_proj", "experts.down_proj"),
     ("input_linear.weight", "output_linear.weight"),
@@ -280,7 +286,7 @@ impl HfModel {
             .with_router_bias(router_bias)
             .with_loss_coefs(self.number("router_aux_loss_coef", 0.001)?, 0.0)
             .with_jitter(self.number("router_jitter_noise", 0.0)?)
-            .with_normalize_top_k(boolean("norm_topk_prob", true)?);
+            .with_normalize_top_k(boolean("norm_topk_prob", !UNNORMALISED.contains(&kind))?);
         config = config.with_routed_scaling(self.number("routed_scaling_factor", 1.0)?);
         if has_any("shared_expert.") {
             // Qwen2-MoE and Qwen3-Next: one shared expert of its own width, gated by σ(x·w);
@@ -303,7 +309,8 @@ impl HfModel {
             config = config.with_shared_experts(1, Some(width), has("shared_expert_gate.weight"));
         } else if has_any("shared_experts.") {
             // DeepSeek: `n_shared_experts` ungated shared experts of the experts' width.
-            config = config.with_shared_experts(self.size("n_shared_experts")?, None, false);
+            let count = first(&["n_shared_experts", "num_shared_experts"])?;
+            config = config.with_shared_experts(count, None, false);
         }
         if INPUT_WEIGHTED.contains(&kind) {
             config = config
@@ -311,7 +318,7 @@ impl HfModel {
                 .with_normalize_top_k(false)
                 .with_weight_input(true);
         }
-        let selection_bias = has("gate.e_score_correction_bias");
+        let selection_bias = SELECTION_BIAS.iter().any(|key| has(key));
         let method = self.string("topk_method", "")?;
         if selection_bias {
             // DeepSeek-V3's auxiliary-loss-free routing (`noaux_tc`): sigmoid scores, a
@@ -380,7 +387,8 @@ impl HfModel {
     /// beside it), in order; empty for a dense model. Where `config.json` says which layers
     /// are sparse, the file must agree, or the error names the field: `moe_layers` (Llama 4),
     /// `first_k_dense_replace` with `moe_layer_freq` (DeepSeek), `interleave_moe_layer_step`
-    /// (Llama 4), `decoder_sparse_step` with `mlp_only_layers` (Qwen-MoE, Qwen3-Next). The other
+    /// (Llama 4), `expert_layer_period` with `expert_layer_offset` (Jamba), `decoder_sparse_step`
+    /// with `mlp_only_layers` (Qwen-MoE, Qwen3-Next). The other
     /// layers are dense and load with [`load_layer`](Self::load_layer).
     pub fn moe_layers(&self) -> Result<Vec<usize>, Error> {
         let found: Vec<usize> = self.sparse_blocks().into_iter().map(|(l, _)| l).collect();
@@ -415,7 +423,7 @@ impl HfModel {
             stated.dedup();
             ("moe_layers", stated)
         } else if self.first_field(&["first_k_dense_replace"]).is_some() {
-            let first = self.size("first_k_dense_replace")?;
+            let first = self.index("first_k_dense_replace")?;
             let every = match self.first_field(&["moe_layer_freq"]) {
                 Some(field) => step(field)?,
                 None => 1,
@@ -426,6 +434,11 @@ impl HfModel {
             let every = step("interleave_moe_layer_step")?;
             let sparse = (0..layers).filter(|i| (i + 1) % every == 0).collect();
             ("interleave_moe_layer_step", sparse)
+        } else if self.first_field(&["expert_layer_period"]).is_some() {
+            let every = step("expert_layer_period")?;
+            let offset = self.index("expert_layer_offset")?;
+            let sparse = (0..layers).filter(|i| i % every == offset).collect();
+            ("expert_layer_period", sparse)
         } else if self.first_field(&["decoder_sparse_step"]).is_some() {
             let every = step("decoder_sparse_step")?;
             let dense = list("mlp_only_layers")?;
@@ -501,7 +514,12 @@ impl HfModel {
             None
         };
         let bias = if config.selection_bias {
-            Some(reader.take(&format!("{prefix}gate.e_score_correction_bias"), &[e_count])?)
+            let key = SELECTION_BIAS
+                .iter()
+                .map(|key| format!("{prefix}{key}"))
+                .find(|key| reader.files.info(key).is_some())
+                .expect("moe_config found it");
+            Some(reader.take(&key, &[e_count])?)
         } else {
             None
         };
