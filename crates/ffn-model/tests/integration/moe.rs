@@ -1047,9 +1047,9 @@ fn sparse_layers_are_found_and_agree_with_the_config() {
     assert_eq!(values(dense.down().weight.val().transpose()), stored);
 }
 
-/// gpt-oss's packed layouts, edited: an interleaved `gate_up_proj` of odd width, a bias of
-/// the wrong width, an expert bias missing while its weight is there, a `swiglu_limit` other
-/// than 7. Each is a typed error naming the key or field.
+/// gpt-oss's packed layouts, edited: an interleaved `gate_up_proj` of odd width, an extra or a
+/// missing expert in a packed tensor, a bias of the wrong width, a bias one layer lacks, a
+/// `swiglu_limit` other than 7. Each is a typed error naming the key or field.
 #[test]
 fn broken_gpt_oss_checkpoints_are_typed_errors() {
     use ffn_model::{Error, HfModel};
@@ -1092,6 +1092,9 @@ fn broken_gpt_oss_checkpoints_are_typed_errors() {
     let key = |k: &str| format!("{prefix}{k}");
     for (tensor, shape) in [
         ("experts.gate_up_proj", vec![4, 16, 23]),
+        // An extra expert, a missing one: in the packed tensors, a shape error.
+        ("experts.gate_up_proj", vec![5, 16, 24]),
+        ("experts.down_proj", vec![3, 12, 16]),
         ("experts.gate_up_proj_bias", vec![4, 23]),
         ("experts.down_proj_bias", vec![4, 15]),
         ("router.bias", vec![5]),

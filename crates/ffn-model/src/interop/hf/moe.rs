@@ -534,11 +534,20 @@ impl HfModel {
         let mut stacked = [Vec::new(), Vec::new(), Vec::new()];
         let mut biases: [Option<Vec<f64>>; 3] = Default::default();
         if let Some((packed, down)) = packed {
-            // PyTorch's Linear layout, or both transposed (gpt-oss, Llama 4): the pair of
-            // shapes tells which (d = f and d = 2f cannot both hold).
-            let shape = |key: &str| reader.files.info(key).map(|i| i.shape.clone());
-            let transposed = shape(&packed) == Some(vec![e_count, d, 2 * f])
-                && shape(&down) == Some(vec![e_count, f, d]);
+            // PyTorch's Linear layout, or both transposed (gpt-oss, Llama 4): the last two
+            // dimensions of `gate_up` tell which, or where d = 2f those of `down` (d = f and
+            // d = 2f cannot both hold). The full shapes are checked as the tensors are read.
+            let ends_with = |key: &str, tail: [usize; 2]| {
+                reader
+                    .files
+                    .info(key)
+                    .is_some_and(|i| i.shape.len() == 3 && i.shape[1..] == tail)
+            };
+            let transposed = if d != 2 * f {
+                ends_with(&packed, [d, 2 * f])
+            } else {
+                ends_with(&down, [f, d])
+            };
             let (gate_up_shape, down_shape) = if transposed {
                 ([e_count, d, 2 * f], [e_count, f, d])
             } else {
