@@ -15,6 +15,8 @@ submodule in eval mode:
     gpt2         GPT2LMHeadModel          transformer.h[i].mlp(x)
     qwen3, olmo2, gemma, gemma2, gemma3, nemotron, phi, phi3, starcoder2, modernbert
                  model.layers[i].mlp(x)
+    gemma3_mm    Gemma3ForConditionalGeneration (fields in text_config, a vision tower beside)
+                 model.language_model.layers[i].mlp(x)
     gpt_neox, falcon, gptj, gpt_bigcode     the layer's mlp(x)
     bloom, opt, deberta_v2, distilbert      the FFN's two projections and activation as the
                  layer runs them (without its residual, norm or dropout)
@@ -80,6 +82,17 @@ def models():
                    transformers.Gemma2Config(**dec, head_dim=8, hidden_activation="gelu_pytorch_tanh"), mlp),
         "gemma3": (transformers.Gemma3ForCausalLM,
                    transformers.Gemma3TextConfig(**dec, head_dim=8, hidden_activation="gelu_pytorch_tanh"), mlp),
+        # Gemma 3 as its 4B and larger checkpoints are released: the multimodal model, the
+        # language model's fields in `text_config`, a SigLIP vision tower (more layers, FFNs of
+        # another width) beside it.
+        "gemma3_mm": (transformers.Gemma3ForConditionalGeneration,
+                      transformers.Gemma3Config(
+                          text_config=dict(**dec, head_dim=8, hidden_activation="gelu_pytorch_tanh"),
+                          vision_config=dict(hidden_size=HIDDEN, intermediate_size=24,
+                                             num_hidden_layers=3, num_attention_heads=2,
+                                             image_size=16, patch_size=8),
+                          mm_tokens_per_image=4),
+                      lambda m, i: m.model.language_model.layers[i].mlp),
         "nemotron": (transformers.NemotronForCausalLM,
                      transformers.NemotronConfig(**dec, head_dim=8, hidden_act="relu2"), mlp),
         "phi": (transformers.PhiForCausalLM, transformers.PhiConfig(**dec, hidden_act="gelu_new"), mlp),
@@ -261,7 +274,9 @@ def check_export(directory):
             else:
                 io = load_file(str(OUT / name / "moe_io.safetensors"))
                 x, reference = io["x"].float(), io["y"].float()
-                layer = model.model.layers[1]
+                layers = next(m for n, m in model.named_modules()
+                              if n.endswith("layers") and "vision" not in n)
+                layer = layers[1]
                 block = next(getattr(layer, a) for a in ("mlp", "block_sparse_moe", "feed_forward")
                              if hasattr(layer, a))
                 y = block(x)

@@ -24,7 +24,8 @@ e_score_correction_bias, routed scaling 2.5, a shared expert; layer 0 dense), gp
 router, softmax of the top-2 logits, biased experts packed [E, hidden, 2f] with gate and up
 interleaved, the clamped SwiGLU; its experts drawn wide enough to cross the clips), llama4_text
 (sigmoid top-1 that scales the expert's input, experts packed [E, hidden, 2f], an ungated shared
-expert; layer 0 dense, of its own width intermediate_size_mlp); and six families the reader was
+expert; layer 0 dense, of its own width intermediate_size_mlp), llama4 (the same as the
+multimodal model Llama 4 is released as: fields in text_config, a vision tower beside it); and six families the reader was
 not written against: glm4_moe, dots1 and exaone_moe (DeepSeek-V3's routing; EXAONE keeps the
 selection bias beside the router), minimax (Mixtral's), flex_olmo (OLMoE's), jamba (softmax
 top-2 not renormalised, with no field to say so).
@@ -84,6 +85,17 @@ def models():
             **common, intermediate_size=EXPERT, intermediate_size_mlp=20, num_local_experts=4,
             num_experts_per_tok=1, head_dim=8, interleave_moe_layer_step=2,
             no_rope_layers=[1, 1], attention_chunk_size=8)),
+        # Llama 4 as released: the multimodal model, its language model's fields in
+        # `text_config`, a vision tower with more layers (and FFNs of another width) beside it.
+        "llama4": (transformers.Llama4ForConditionalGeneration, transformers.Llama4Config(
+            text_config=dict(
+                **common, intermediate_size=EXPERT, intermediate_size_mlp=20,
+                num_local_experts=4, num_experts_per_tok=1, head_dim=8,
+                interleave_moe_layer_step=2, no_rope_layers=[1, 1], attention_chunk_size=8),
+            vision_config=dict(
+                hidden_size=HIDDEN, num_hidden_layers=3, num_attention_heads=2,
+                intermediate_size=24, image_size=16, patch_size=8, vision_output_dim=HIDDEN,
+                projector_input_dim=HIDDEN, projector_output_dim=HIDDEN))),
         # Families the reader was not written against (loaded by their keys and fields alone).
         "glm4_moe": (transformers.Glm4MoeForCausalLM, transformers.Glm4MoeConfig(
             **common, intermediate_size=20, moe_intermediate_size=EXPERT, n_routed_experts=8,
@@ -131,7 +143,10 @@ def main(only):
         folder = OUT / name
         shutil.rmtree(folder, ignore_errors=True)
         model.save_pretrained(folder)
-        layer = model.model.layers[1]
+        # The language model's layers (not a multimodal model's vision tower).
+        layers = next(m for n, m in model.named_modules()
+                      if n.endswith("layers") and "vision" not in n)
+        layer = layers[1]
         block = next(getattr(layer, a) for a in ("mlp", "block_sparse_moe", "feed_forward")
                      if hasattr(layer, a)).double()
         router = block.gate if hasattr(block, "gate") else block.router

@@ -45,7 +45,7 @@ fn max_abs_diff(a: &TensorData, b: &TensorData) -> f32 {
 
 #[test]
 fn every_model_type_reproduces_transformers() {
-    let expected: [(&str, Activation, bool, usize, Scheme); 25] = [
+    let expected: [(&str, Activation, bool, usize, Scheme); 26] = [
         ("bert", Activation::Gelu, false, 40, Scheme::Bert),
         ("deberta_v2", Activation::Gelu, false, 40, Scheme::Bert),
         (
@@ -61,6 +61,7 @@ fn every_model_type_reproduces_transformers() {
         ("gemma", Activation::GeluTanh, true, 40, Scheme::Llama),
         ("gemma2", Activation::GeluTanh, true, 40, Scheme::Llama),
         ("gemma3", Activation::GeluTanh, true, 40, Scheme::Llama),
+        ("gemma3_mm", Activation::GeluTanh, true, 40, Scheme::Llama),
         ("nemotron", Activation::Relu2, false, 40, Scheme::Llama),
         ("phi", Activation::GeluTanh, false, 40, Scheme::Fc),
         ("phi3", Activation::Silu, true, 40, Scheme::GateUpProj),
@@ -183,12 +184,13 @@ fn layer1_prefix(name: &str) -> &'static str {
         "gpt2" | "gpt_bigcode" | "gptj" | "falcon" | "bloom" => "transformer.h.1.mlp.",
         "gpt_neox" => "gpt_neox.layers.1.mlp.",
         "opt" => "model.decoder.layers.1.",
+        "gemma3_mm" => "language_model.model.layers.1.mlp.",
         _ => "model.layers.1.mlp.",
     }
 }
 
 /// Every fixture of a dense model.
-const DENSE: [&str; 23] = [
+const DENSE: [&str; 24] = [
     "bert",
     "deberta_v2",
     "distilbert",
@@ -201,6 +203,7 @@ const DENSE: [&str; 23] = [
     "gemma",
     "gemma2",
     "gemma3",
+    "gemma3_mm",
     "nemotron",
     "phi",
     "phi3",
@@ -698,4 +701,33 @@ fn ffns_are_found_in_any_file() {
     );
     assert_eq!(found[0].config, ffn.config());
     assert!(found[0].activation_from_file);
+}
+
+/// A multimodal checkpoint (Gemma 3 as released from 4B up): the language model's fields are
+/// read from `text_config` and its FFNs chosen over the vision tower's, which has more layers;
+/// an error in a `text_config` field names it so.
+#[test]
+fn multimodal_models_load_their_language_model() {
+    let model = HfModel::open(folder("gemma3_mm")).unwrap();
+    assert_eq!(model.model_type(), "gemma3");
+    assert_eq!(model.num_layers().unwrap(), 2);
+    assert_eq!(
+        model.layer_prefix(0).unwrap(),
+        "language_model.model.layers.0.mlp."
+    );
+    let config = model.ffn_config().unwrap();
+    assert_eq!((config.d_model, config.d_ff), (16, 40));
+    assert_eq!(config.activation, Activation::GeluTanh);
+
+    let broken = edited(
+        "gemma3_mm",
+        "text-field",
+        |c| c["text_config"]["hidden_activation"] = "swoosh".into(),
+        |_, _, _, _| true,
+    );
+    let result = HfModel::open(&*broken).and_then(|m| m.ffn_config());
+    assert!(
+        matches!(&result, Err(Error::HfConfig { field, .. }) if field == "text_config.hidden_activation"),
+        "{result:?}"
+    );
 }

@@ -712,6 +712,7 @@ fn hugging_face_moe_layers_match_transformers() {
         "deepseek_v3",
         "gpt_oss",
         "llama4_text",
+        "llama4",
         "glm4_moe",
         "minimax",
         "flex_olmo",
@@ -879,28 +880,41 @@ fn moe_layers_save_back_to_their_checkpoint_names() {
     // (fixture, block, the scheme its keys follow: the model type's own where one is named
     // after it)
     for (name, block, follows) in [
-        ("mixtral", "block_sparse_moe", "mixtral"),
-        ("qwen2_moe", "mlp", "qwen2_moe"),
-        ("qwen3_moe", "mlp", "qwen3_moe"),
-        ("olmoe", "mlp", "olmoe"),
-        ("granitemoe", "block_sparse_moe", "granitemoe"),
-        ("qwen3_next", "mlp", "qwen3_next"),
-        ("deepseek_v2", "mlp", "deepseek_v2"),
-        ("deepseek_v3", "mlp", "deepseek_v3"),
-        ("gpt_oss", "mlp", "gpt_oss"),
-        ("llama4_text", "feed_forward", "llama4_text"),
+        ("mixtral", "model.layers.1.block_sparse_moe.", "mixtral"),
+        ("qwen2_moe", "model.layers.1.mlp.", "qwen2_moe"),
+        ("qwen3_moe", "model.layers.1.mlp.", "qwen3_moe"),
+        ("olmoe", "model.layers.1.mlp.", "olmoe"),
+        (
+            "granitemoe",
+            "model.layers.1.block_sparse_moe.",
+            "granitemoe",
+        ),
+        ("qwen3_next", "model.layers.1.mlp.", "qwen3_next"),
+        ("deepseek_v2", "model.layers.1.mlp.", "deepseek_v2"),
+        ("deepseek_v3", "model.layers.1.mlp.", "deepseek_v3"),
+        ("gpt_oss", "model.layers.1.mlp.", "gpt_oss"),
+        ("llama4_text", "model.layers.1.feed_forward.", "llama4_text"),
+        (
+            "llama4",
+            "language_model.model.layers.1.feed_forward.",
+            "llama4",
+        ),
         // Families no scheme is named after, written in the names of the one they follow.
-        ("glm4_moe", "mlp", "deepseek_v3"),
-        ("dots1", "mlp", "deepseek_v3"),
-        ("minimax", "block_sparse_moe", "mixtral"),
-        ("flex_olmo", "mlp", "qwen3_moe"),
+        ("glm4_moe", "model.layers.1.mlp.", "deepseek_v3"),
+        ("dots1", "model.layers.1.mlp.", "deepseek_v3"),
+        ("minimax", "model.layers.1.block_sparse_moe.", "mixtral"),
+        ("flex_olmo", "model.layers.1.mlp.", "qwen3_moe"),
     ] {
         let folder = ffn_test_support::data_file(&format!("hf/{name}"));
         let moe = HfModel::open(&folder)
             .unwrap()
             .load_moe_layer(1, &Device::flex())
             .unwrap();
-        let prefix = format!("model.layers.1.{block}.");
+        let prefix = block.to_string();
+        assert_eq!(
+            HfModel::open(&folder).unwrap().moe_layer_prefix(1).unwrap(),
+            prefix
+        );
         // The scheme the keys show (OLMoE's is Qwen3-MoE's).
         let scheme = HfModel::open(&folder).unwrap().moe_scheme().unwrap();
         assert_eq!(
@@ -965,6 +979,7 @@ fn sparse_layers_are_found_and_agree_with_the_config() {
         ("deepseek_v3", &[1]),
         ("gpt_oss", &[0, 1]),
         ("llama4_text", &[1]),
+        ("llama4", &[1]),
         ("glm4_moe", &[1]),
         ("minimax", &[0, 1]),
         ("flex_olmo", &[0, 1]),
@@ -1030,7 +1045,16 @@ fn sparse_layers_are_found_and_agree_with_the_config() {
         );
     }
 
-    // Llama 4's dense layer: the width of `intermediate_size_mlp`, the file's weights.
+    // Llama 4's dense layer: the width of `intermediate_size_mlp`, the file's weights. In the
+    // multimodal model, the language model's (its fields in `text_config`), not the vision
+    // tower's, which has more layers (and FFNs of another width).
+    let multimodal = HfModel::open(ffn_test_support::data_file("hf/llama4")).unwrap();
+    assert_eq!(
+        multimodal.layer_prefix(0).unwrap(),
+        "language_model.model.layers.0.feed_forward."
+    );
+    assert_eq!(multimodal.ffn_config().unwrap().d_ff, 20);
+    assert_eq!(multimodal.num_layers().unwrap(), 2);
     let folder = ffn_test_support::data_file("hf/llama4_text");
     let mut model = HfModel::open(&folder).unwrap();
     let dense = model.load_layer(0, &Device::flex()).unwrap();

@@ -7,8 +7,10 @@
 //! - **Where**: every prefix under which the weights of a known [`Scheme`] lie
 //!   (`model.layers.3.mlp.`, `encoder.block.3.layer.1.DenseReluDense.`,
 //!   `model.decoder.layers.3.`); its layer is the prefix's first number. Experts are not
-//!   dense FFNs (see [`HfModel::load_moe_layer`]). Of several stacks (encoder and decoder), the
-//!   one with the most layers, an encoder on a tie.
+//!   dense FFNs (see [`HfModel::load_moe_layer`]). Of several stacks (encoder and decoder, a
+//!   language model and a vision tower), those whose sizes contradict the config are left out,
+//!   then the one with the most layers wins, an encoder on a tie. A multimodal model's
+//!   `text_config` fields are read as the model's own.
 //! - **Layout**: the scheme of the keys (split or packed gate and up, the stems); `Conv1D` or
 //!   `nn.Linear` for `c_fc`/`c_proj` from the weight's shape against `d_model`.
 //! - **Sizes, gating, biases**: from the tensors (`d_model`, `d_ff`, whether a gate and each
@@ -56,7 +58,11 @@ use crate::{Activation, DropoutAt, Error, FeedForward, FeedForwardConfig, Scheme
 pub struct HfModel {
     folder: PathBuf,
     model_type: String,
+    /// `config.json`'s fields, with those of its `text_config` (a multimodal model's language
+    /// model: Llama 4, Gemma 3, …) laid over them.
     pub(crate) config: Map<String, Value>,
+    /// The fields that came from `text_config` (errors name them so).
+    text_fields: std::collections::HashSet<String>,
     pub(crate) files: TensorFiles,
     /// The dense FFNs found by their keys, in layer order (see [`HfModel::layer_prefix`]).
     dense: Vec<DenseFfn>,
@@ -153,7 +159,7 @@ impl HfModel {
                 path: config_path.clone(),
                 source,
             })?;
-        let config: Map<String, Value> =
+        let mut config: Map<String, Value> =
             serde_json::from_str(&text).map_err(|e| Error::HfConfig {
                 path: config_path.clone(),
                 field: "config.json".into(),
@@ -168,6 +174,17 @@ impl HfModel {
                 message: "missing".into(),
             })?
             .to_string();
+        // A multimodal model describes its language model in `text_config`: its fields are the
+        // ones that size the FFNs (the top level keeps its `model_type`).
+        let mut text_fields = std::collections::HashSet::new();
+        if let Some(Value::Object(text)) = config.get("text_config").cloned() {
+            for (key, value) in text {
+                if key != "model_type" {
+                    text_fields.insert(key.clone());
+                    config.insert(key, value);
+                }
+            }
+        }
         let index = folder.join("model.safetensors.index.json");
         let files = if index.exists() {
             let text =
@@ -226,6 +243,7 @@ impl HfModel {
             folder,
             model_type,
             config,
+            text_fields,
             files,
             dense: Vec::new(),
         };
@@ -238,7 +256,8 @@ impl HfModel {
     /// DenseReluDense.`, `model.decoder.layers.3.`). Its layer is the prefix's first number.
     /// Experts are not dense FFNs: prefixes with an `experts` or `shared_expert(s)` part are
     /// left to [`HfModel::load_moe_layer`]. When several stacks hold FFNs (an encoder and a
-    /// decoder), the layers are those of the stack with the most, an encoder on a tie.
+    /// decoder, a language model and a vision tower), those whose sizes contradict the config
+    /// are left out, and the layers are those of the stack with the most, an encoder on a tie.
     fn find_dense(&self) -> Vec<DenseFfn> {
         let keys: std::collections::HashSet<&str> = self.files.keys().collect();
         let mut found: Vec<(String, DenseFfn)> = Vec::new();
@@ -263,6 +282,18 @@ impl HfModel {
         let mut stacks: std::collections::BTreeMap<&str, usize> = Default::default();
         for (stack, _) in &found {
             *stacks.entry(stack.as_str()).or_default() += 1;
+        }
+        // A stack whose sizes contradict the config's belongs to another model in the file (a
+        // multimodal model's vision tower): left out, unless every stack does (then the error
+        // comes from the config's own stack, when its FFN is read).
+        let fits = |stack: &str| {
+            found
+                .iter()
+                .find(|(s, _)| s == stack)
+                .is_some_and(|(_, ffn)| self.found_config(ffn).is_ok())
+        };
+        if stacks.keys().any(|s| fits(s)) {
+            stacks.retain(|s, _| fits(s));
         }
         let encoder = |s: &str| s.split('.').any(|p| p == "encoder");
         // The most layers, then an encoder, then the shortest name, then the first in order.
@@ -323,9 +354,14 @@ impl HfModel {
     }
 
     pub(crate) fn error(&self, field: &str, message: impl Into<String>) -> Error {
+        let field = if self.text_fields.contains(field) {
+            format!("text_config.{field}")
+        } else {
+            field.to_string()
+        };
         Error::HfConfig {
             path: self.folder.join("config.json"),
-            field: field.to_string(),
+            field,
             message: message.into(),
         }
     }
