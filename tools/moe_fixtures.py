@@ -24,7 +24,8 @@ e_score_correction_bias, routed scaling 2.5, a shared expert; layer 0 dense), gp
 router, softmax of the top-2 logits, biased experts packed [E, hidden, 2f] with gate and up
 interleaved, the clamped SwiGLU; its experts drawn wide enough to cross the clips), llama4_text
 (sigmoid top-1 that scales the expert's input, experts packed [E, hidden, 2f], an ungated shared
-expert; layer 0 dense, of its own width intermediate_size_mlp), llama4 (the same as the
+expert; layer 0 dense, of its own width intermediate_size_mlp), dbrx (its FFN's fields in
+ffn_config, experts as rows of w1/v1/w2, top-2 renormalised by their 1-norm), llama4 (the same as the
 multimodal model Llama 4 is released as: fields in text_config, a vision tower beside it); and six families the reader was
 not written against: glm4_moe, dots1 and exaone_moe (DeepSeek-V3's routing; EXAONE keeps the
 selection bias beside the router), minimax (Mixtral's), flex_olmo (OLMoE's), jamba (softmax
@@ -81,6 +82,10 @@ def models():
         "gpt_oss": (transformers.GptOssForCausalLM, transformers.GptOssConfig(
             **common, intermediate_size=EXPERT, num_local_experts=4, num_experts_per_tok=2,
             head_dim=8, layer_types=["sliding_attention", "full_attention"], sliding_window=8)),
+        "dbrx": (transformers.DbrxForCausalLM, transformers.DbrxConfig(
+            d_model=HIDDEN, n_heads=2, n_layers=2, max_seq_len=32, vocab_size=64,
+            attn_config=dict(kv_n_heads=2, rope_theta=10000.0),
+            ffn_config=dict(ffn_hidden_size=EXPERT, moe_num_experts=4, moe_top_k=2))),
         "llama4_text": (transformers.Llama4ForCausalLM, transformers.Llama4TextConfig(
             **common, intermediate_size=EXPERT, intermediate_size_mlp=20, num_local_experts=4,
             num_experts_per_tok=1, head_dim=8, interleave_moe_layer_step=2,
@@ -127,6 +132,15 @@ def models():
 EXPERT_STD = {"gpt_oss": 1.5}
 
 
+def sparse_block(model, i):
+    """Layer `i`'s sparse block: in the language model's layers (not a multimodal model's
+    vision tower), its `mlp`, `block_sparse_moe`, `feed_forward` or `ffn`."""
+    layers = next(m for n, m in model.named_modules()
+                  if n.endswith(("layers", "blocks")) and "vision" not in n)
+    return next(getattr(layers[i], a) for a in ("mlp", "block_sparse_moe", "feed_forward", "ffn")
+                if hasattr(layers[i], a))
+
+
 def main(only):
     for name, (cls, config) in models().items():
         if only and name not in only:
@@ -143,13 +157,9 @@ def main(only):
         folder = OUT / name
         shutil.rmtree(folder, ignore_errors=True)
         model.save_pretrained(folder)
-        # The language model's layers (not a multimodal model's vision tower).
-        layers = next(m for n, m in model.named_modules()
-                      if n.endswith("layers") and "vision" not in n)
-        layer = layers[1]
-        block = next(getattr(layer, a) for a in ("mlp", "block_sparse_moe", "feed_forward")
-                     if hasattr(layer, a)).double()
+        block = sparse_block(model, 1).double()
         router = block.gate if hasattr(block, "gate") else block.router
+        router = getattr(router, "layer", router)  # DBRX's router holds its Linear
         x = torch.randn(2, 5, HIDDEN, dtype=torch.float64, requires_grad=True)
         g = torch.randn(2, 5, HIDDEN, dtype=torch.float64)
         y = block(x)
@@ -158,12 +168,18 @@ def main(only):
         (y * g).sum().backward()
         logits = torch.nn.functional.linear(x.reshape(-1, HIDDEN), router.weight,
                                             getattr(router, "bias", None))
-        gate_up, down = block.experts.gate_up_proj, block.experts.down_proj
-        if gate_up.shape[1] == HIDDEN:
-            # [E, hidden, 2f] and [E, f, hidden] (gpt-oss, Llama 4): to PyTorch's Linear layout.
-            grad, grad_down = gate_up.grad[1].T, down.grad[1].T
+        if hasattr(block.experts, "mlp"):
+            # DBRX: w1, v1, w2 each [E·f, hidden]; w2's block is down's transpose.
+            mlp = block.experts.mlp
+            rows = lambda w: w.grad.view(mlp.w1.shape[0] // EXPERT, EXPERT, HIDDEN)[1]  # noqa: E731
+            grad, grad_down = torch.cat([rows(mlp.w1), rows(mlp.v1)]), rows(mlp.w2).T
         else:
-            grad, grad_down = gate_up.grad[1], down.grad[1]
+            gate_up, down = block.experts.gate_up_proj, block.experts.down_proj
+            if gate_up.shape[1] == HIDDEN:
+                # [E, hidden, 2f], [E, f, hidden] (gpt-oss, Llama 4): to PyTorch's Linear layout.
+                grad, grad_down = gate_up.grad[1].T, down.grad[1].T
+            else:
+                grad, grad_down = gate_up.grad[1], down.grad[1]
         f = grad.shape[0] // 2
         # gpt-oss interleaves gate and up (gate the even rows); the others stack them.
         d_gate, d_up = (grad[0::2], grad[1::2]) if name == "gpt_oss" else (grad[:f], grad[f:])

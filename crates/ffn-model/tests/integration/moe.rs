@@ -713,6 +713,7 @@ fn hugging_face_moe_layers_match_transformers() {
         "gpt_oss",
         "llama4_text",
         "llama4",
+        "dbrx",
         "glm4_moe",
         "minimax",
         "flex_olmo",
@@ -893,6 +894,7 @@ fn moe_layers_save_back_to_their_checkpoint_names() {
         ("deepseek_v2", "model.layers.1.mlp.", "deepseek_v2"),
         ("deepseek_v3", "model.layers.1.mlp.", "deepseek_v3"),
         ("gpt_oss", "model.layers.1.mlp.", "gpt_oss"),
+        ("dbrx", "transformer.blocks.1.ffn.", "dbrx"),
         ("llama4_text", "model.layers.1.feed_forward.", "llama4_text"),
         (
             "llama4",
@@ -980,6 +982,7 @@ fn sparse_layers_are_found_and_agree_with_the_config() {
         ("gpt_oss", &[0, 1]),
         ("llama4_text", &[1]),
         ("llama4", &[1]),
+        ("dbrx", &[0, 1]),
         ("glm4_moe", &[1]),
         ("minimax", &[0, 1]),
         ("flex_olmo", &[0, 1]),
@@ -1148,4 +1151,36 @@ fn broken_gpt_oss_checkpoints_are_typed_errors() {
         load(&other, &weights),
         Err(Error::HfConfig { field, .. }) if field == "swiglu_limit"
     ));
+}
+
+/// DBRX keeps its FFN's fields in `ffn_config`: one the reader cannot follow is a typed error
+/// naming it there (a 2-norm of the top-k weights, an activation object without a name, more
+/// experts per token than experts).
+#[test]
+fn broken_dbrx_configs_name_their_ffn_config_field() {
+    use ffn_model::{Error, HfModel};
+    let source = ffn_test_support::data_file("hf/dbrx");
+    let config = std::fs::read_to_string(source.join("config.json")).unwrap();
+    let config: serde_json::Value = serde_json::from_str(&config).unwrap();
+    for (field, value) in [
+        ("moe_normalize_expert_weights", serde_json::json!(2.0)),
+        ("ffn_act_fn", serde_json::json!({"kind": "silu"})),
+        ("moe_top_k", serde_json::json!(5)),
+    ] {
+        let mut edited = config.clone();
+        edited["ffn_config"][field] = value;
+        let dir = ffn_test_support::scratch("dbrx-broken");
+        std::fs::write(dir.join("config.json"), edited.to_string()).unwrap();
+        std::fs::copy(
+            source.join("model.safetensors"),
+            dir.join("model.safetensors"),
+        )
+        .unwrap();
+        let result = HfModel::open(&*dir).and_then(|m| m.moe_config());
+        let expected = format!("ffn_config.{field}");
+        assert!(
+            matches!(&result, Err(Error::HfConfig { field: f, .. }) if *f == expected),
+            "{field}: {result:?}"
+        );
+    }
 }

@@ -59,10 +59,10 @@ pub struct HfModel {
     folder: PathBuf,
     model_type: String,
     /// `config.json`'s fields, with those of its `text_config` (a multimodal model's language
-    /// model: Llama 4, Gemma 3, …) laid over them.
+    /// model: Llama 4, Gemma 3, …) laid over them, and those of an `ffn_config` (DBRX) added.
     pub(crate) config: Map<String, Value>,
-    /// The fields that came from `text_config` (errors name them so).
-    text_fields: std::collections::HashSet<String>,
+    /// The fields that came from a nested object, and its name (errors name them so).
+    nested_fields: std::collections::HashMap<String, &'static str>,
     pub(crate) files: TensorFiles,
     /// The dense FFNs found by their keys, in layer order (see [`HfModel::layer_prefix`]).
     dense: Vec<DenseFfn>,
@@ -126,12 +126,14 @@ const D_FF_FIELDS: [&str; 7] = [
 ];
 const LAYER_FIELDS: [&str; 4] = ["num_hidden_layers", "num_layers", "n_layer", "n_layers"];
 /// `hidden_activation` first: Gemma 2 and 3 and ModernBERT read it, and Gemma 1 leaves it null.
-const ACTIVATION_FIELDS: [&str; 5] = [
+/// DBRX's `ffn_act_fn` is an object, `{"name": "silu"}`.
+const ACTIVATION_FIELDS: [&str; 6] = [
     "hidden_activation",
     "hidden_act",
     "activation_function",
     "activation",
     "feed_forward_proj",
+    "ffn_act_fn",
 ];
 /// Dropout fields and where the layer applies them.
 const DROPOUT_FIELDS: [(&str, DropoutAt); 4] = [
@@ -175,12 +177,17 @@ impl HfModel {
             })?
             .to_string();
         // A multimodal model describes its language model in `text_config`: its fields are the
-        // ones that size the FFNs (the top level keeps its `model_type`).
-        let mut text_fields = std::collections::HashSet::new();
-        if let Some(Value::Object(text)) = config.get("text_config").cloned() {
-            for (key, value) in text {
-                if key != "model_type" {
-                    text_fields.insert(key.clone());
+        // ones that size the FFNs. DBRX keeps its FFN's in `ffn_config`, which fills in what
+        // the top level does not say. The top level keeps its `model_type`.
+        let mut nested_fields = std::collections::HashMap::new();
+        for (object, over) in [("text_config", true), ("ffn_config", false)] {
+            let Some(Value::Object(fields)) = config.get(object).cloned() else {
+                continue;
+            };
+            for (key, value) in fields {
+                let taken = config.get(&key).is_some_and(|v| !v.is_null());
+                if key != "model_type" && (over || !taken) {
+                    nested_fields.insert(key.clone(), object);
                     config.insert(key, value);
                 }
             }
@@ -243,7 +250,7 @@ impl HfModel {
             folder,
             model_type,
             config,
-            text_fields,
+            nested_fields,
             files,
             dense: Vec::new(),
         };
@@ -354,10 +361,9 @@ impl HfModel {
     }
 
     pub(crate) fn error(&self, field: &str, message: impl Into<String>) -> Error {
-        let field = if self.text_fields.contains(field) {
-            format!("text_config.{field}")
-        } else {
-            field.to_string()
+        let field = match self.nested_fields.get(field) {
+            Some(object) => format!("{object}.{field}"),
+            None => field.to_string(),
         };
         Error::HfConfig {
             path: self.folder.join("config.json"),
@@ -458,7 +464,13 @@ impl HfModel {
                     )
                 });
         };
-        let name = self.string(field, "")?;
+        let name = match self.config.get(field) {
+            Some(Value::Object(spec)) => match spec.get("name") {
+                Some(Value::String(name)) => name.clone(),
+                _ => return Err(self.error(field, "an object without a string `name`")),
+            },
+            _ => self.string(field, "")?,
+        };
         let name = if field == "feed_forward_proj" {
             match name.split_once('-') {
                 Some(("gated", "gelu")) => "gelu_new".to_string(),

@@ -18,6 +18,7 @@
 //! | `deepseek_v2` | `model.layers.i.mlp.` | as `deepseek_v3`, without the bias | `n_routed_experts`, `moe_intermediate_size`, `topk_method` (`greedy`, `group_limited_greedy`: groups scored by their best), `n_shared_experts`, `routed_scaling_factor` |
 //! | `granitemoe` | `model.layers.i.block_sparse_moe.` | `router.layer.weight`; packed `input_linear.weight`, `output_linear.weight` | `num_local_experts`, `intermediate_size` (softmax of the top-k logits) |
 //! | `deepseek_v3` | `model.layers.i.mlp.` | `experts.{e}.{gate,up,down}_proj`, `shared_experts.*`, `gate.e_score_correction_bias` | `n_routed_experts`, `moe_intermediate_size`, `n_group`, `topk_group`, `n_shared_experts`, `routed_scaling_factor`, `norm_topk_prob` |
+//! | `dbrx` | `transformer.blocks.i.ffn.` | `router.layer.weight`; `experts.mlp.w1`, `v1`, `w2`, each `[E·d_ff, d_model]` | in `ffn_config`: `moe_num_experts`, `moe_top_k`, `ffn_hidden_size`, `ffn_act_fn` (`{"name": …}`), `moe_normalize_expert_weights` (1: renormalised) |
 //! | `gpt_oss` | `model.layers.i.mlp.` | `router.weight`, `router.bias`; packed `experts.gate_up_proj` `[E, d_model, 2·d_ff]` (gate and up interleaved) and `experts.down_proj` `[E, d_ff, d_model]`, with `_bias` `[E, 2·d_ff]`, `[E, d_model]` | `num_local_experts`, `intermediate_size`, `swiglu_limit` (the clamped SwiGLU, [`Activation::SwigluOai`]) (softmax of the top-k logits) |
 //! | `llama4_text`, `llama4` | `model.layers.i.feed_forward.` | `router.weight`; packed `experts.gate_up_proj` `[E, d_model, 2·d_ff]` (gate half first), `experts.down_proj` `[E, d_ff, d_model]`; `shared_expert.*` | `num_local_experts`, `intermediate_size` (the dense layers': `intermediate_size_mlp`), `moe_layers` (sigmoid top-k scaling the expert's input: the one routing no field states) |
 //!
@@ -58,6 +59,10 @@ pub enum MoeScheme {
     /// GraniteMoE: `router.layer.weight`, the experts packed as `input_linear.weight`
     /// `[E, 2·d_ff, d_model]` (gate rows first) and `output_linear.weight` `[E, d_model, d_ff]`.
     GraniteMoe,
+    /// DBRX: `router.layer.weight`; the experts' rows stacked as `experts.mlp.w1` (gate) and
+    /// `experts.mlp.v1` (up), each `[E·d_ff, d_model]`, and `experts.mlp.w2` (down,
+    /// `[E·d_ff, d_model]`: each expert's `[d_ff, d_model]` as its product takes it).
+    Dbrx,
     /// gpt-oss: `router.weight` and `router.bias`; the experts packed as `experts.gate_up_proj`
     /// `[E, d_model, 2·d_ff]` (gate and up interleaved, gate first) and `experts.down_proj`
     /// `[E, d_ff, d_model]`, each with a `_bias`.
@@ -89,13 +94,14 @@ const PACKED: [(&str, &str); 2] = [
 
 impl MoeScheme {
     /// Every scheme.
-    pub const ALL: [MoeScheme; 8] = [
+    pub const ALL: [MoeScheme; 9] = [
         MoeScheme::Mixtral,
         MoeScheme::Qwen2Moe,
         MoeScheme::Qwen3Moe,
         MoeScheme::DeepseekV2,
         MoeScheme::DeepseekV3,
         MoeScheme::GraniteMoe,
+        MoeScheme::Dbrx,
         MoeScheme::GptOss,
         MoeScheme::Llama4,
     ];
@@ -109,6 +115,7 @@ impl MoeScheme {
             MoeScheme::DeepseekV2 => "deepseek_v2",
             MoeScheme::DeepseekV3 => "deepseek_v3",
             MoeScheme::GraniteMoe => "granitemoe",
+            MoeScheme::Dbrx => "dbrx",
             MoeScheme::GptOss => "gpt_oss",
             MoeScheme::Llama4 => "llama4",
         }
@@ -250,7 +257,11 @@ impl HfModel {
         let mut expert = self.ffn_config()?;
         let first =
             |fields: &[&'static str]| self.size(self.first_field(fields).unwrap_or(fields[0]));
-        expert.d_ff = first(&["moe_intermediate_size", "intermediate_size"])?;
+        expert.d_ff = first(&[
+            "moe_intermediate_size",
+            "intermediate_size",
+            "ffn_hidden_size",
+        ])?;
         if self.clamped_swiglu()? {
             expert = expert
                 .with_activation(Activation::SwigluOai)
@@ -268,11 +279,19 @@ impl HfModel {
             .files
             .info(&bias_key(&self.router_key(&prefix)))
             .is_some();
-        let n_experts = first(&["num_local_experts", "num_experts", "n_routed_experts"])?;
-        let top_k = self.size("num_experts_per_tok")?;
+        let n_experts = first(&[
+            "num_local_experts",
+            "num_experts",
+            "n_routed_experts",
+            "moe_num_experts",
+        ])?;
+        let top_k_field = self
+            .first_field(&["num_experts_per_tok", "moe_top_k"])
+            .unwrap_or("num_experts_per_tok");
+        let top_k = self.size(top_k_field)?;
         if top_k > n_experts {
             return Err(self.error(
-                "num_experts_per_tok",
+                top_k_field,
                 format!("{top_k} is more than the {n_experts} experts"),
             ));
         }
@@ -281,12 +300,31 @@ impl HfModel {
             Some(Value::Bool(b)) => Ok(*b),
             Some(v) => Err(self.error(field, format!("must be a boolean, got {v}"))),
         };
-        // Mixtral's config has no `norm_topk_prob`: it renormalises the top k.
+        // Mixtral's config has no `norm_topk_prob`: it renormalises the top k. DBRX divides
+        // the top k by their p-norm (`moe_normalize_expert_weights`): p = 1 renormalises them
+        // (they are positive), null leaves them.
+        let normalize = match self.config.get("moe_normalize_expert_weights") {
+            None => boolean("norm_topk_prob", !UNNORMALISED.contains(&kind))?,
+            Some(Value::Null) => false,
+            Some(p) if p.as_f64() == Some(1.0) => true,
+            Some(p) => {
+                return Err(self.error(
+                    "moe_normalize_expert_weights",
+                    format!("a {p}-norm of the top-k weights is not supported (1 or null)"),
+                ));
+            }
+        };
+        let coef = self
+            .first_field(&["router_aux_loss_coef", "moe_loss_weight"])
+            .map_or(Ok(0.001), |f| self.number(f, 0.001))?;
+        let jitter = self
+            .first_field(&["router_jitter_noise", "moe_jitter_eps"])
+            .map_or(Ok(0.0), |f| self.number(f, 0.0))?;
         let mut config = MoeConfig::new(expert, n_experts, top_k)
             .with_router_bias(router_bias)
-            .with_loss_coefs(self.number("router_aux_loss_coef", 0.001)?, 0.0)
-            .with_jitter(self.number("router_jitter_noise", 0.0)?)
-            .with_normalize_top_k(boolean("norm_topk_prob", !UNNORMALISED.contains(&kind))?);
+            .with_loss_coefs(coef, 0.0)
+            .with_jitter(jitter)
+            .with_normalize_top_k(normalize);
         config = config.with_routed_scaling(self.number("routed_scaling_factor", 1.0)?);
         if has_any("shared_expert.") {
             // Qwen2-MoE and Qwen3-Next: one shared expert of its own width, gated by σ(x·w);
@@ -364,7 +402,9 @@ impl HfModel {
             .next()
             .expect("moe_config found one");
         let has = |suffix: &str| self.files.info(&format!("{prefix}{suffix}")).is_some();
-        Ok(if has("router.layer.weight") {
+        Ok(if has("experts.mlp.w1") {
+            MoeScheme::Dbrx
+        } else if has("router.layer.weight") {
             MoeScheme::GraniteMoe
         } else if config.router_bias || config.expert.activation == Activation::SwigluOai {
             MoeScheme::GptOss
@@ -533,7 +573,22 @@ impl HfModel {
         // biases [E, f], [E, f], [E, d].
         let mut stacked = [Vec::new(), Vec::new(), Vec::new()];
         let mut biases: [Option<Vec<f64>>; 3] = Default::default();
-        if let Some((packed, down)) = packed {
+        let dbrx = ["w1", "v1", "w2"].map(|n| format!("{prefix}experts.mlp.{n}"));
+        if reader.files.info(&dbrx[0]).is_some() {
+            // DBRX: each [E·f, d], expert e's rows e·f..(e + 1)·f; gate (w1) and up (v1) in
+            // Linear's layout, down (w2) as the product takes it ([f, d], burn's layout).
+            for (i, key) in dbrx.iter().enumerate() {
+                let rows = values(&reader.take(key, &[e_count * f, d])?);
+                for e in 0..e_count {
+                    let block = TensorData::new(rows[e * f * d..(e + 1) * f * d].to_vec(), [f, d]);
+                    if i == 2 {
+                        stacked[i].extend(values(&block));
+                    } else {
+                        stacked[i].extend(values(&transpose(&block, f, d)));
+                    }
+                }
+            }
+        } else if let Some((packed, down)) = packed {
             // PyTorch's Linear layout, or both transposed (gpt-oss, Llama 4): the last two
             // dimensions of `gate_up` tell which, or where d = 2f those of `down` (d = f and
             // d = 2f cannot both hold). The full shapes are checked as the tensors are read.
@@ -727,6 +782,7 @@ impl Moe {
             MoeScheme::Mixtral
             | MoeScheme::Qwen3Moe
             | MoeScheme::GraniteMoe
+            | MoeScheme::Dbrx
             | MoeScheme::GptOss => (false, false),
         };
         if (self.shared.is_some(), self.shared_gate.is_some()) != shared_form {
@@ -736,7 +792,7 @@ impl Moe {
         let mut put =
             |name: &str, tensor: HostTensor| tensors.push((format!("{prefix}{name}"), tensor));
         let router = match scheme {
-            MoeScheme::GraniteMoe => "router.layer.weight",
+            MoeScheme::GraniteMoe | MoeScheme::Dbrx => "router.layer.weight",
             MoeScheme::GptOss | MoeScheme::Llama4 => "router.weight",
             _ => "gate.weight",
         };
@@ -749,6 +805,15 @@ impl Moe {
         }
         let [gate, up, down] = [w_gate, &self.w_up, &self.w_down].map(|p| p.val());
         match scheme {
+            MoeScheme::Dbrx => {
+                // [E·d_ff, d_model] each: gate and up in Linear's layout, down as it is.
+                let e = self.n_experts();
+                let (d, f) = (self.d_model(), self.d_ff());
+                let rows = |t: Tensor<3>| to_host(t.reshape([e * f, d]));
+                put("experts.mlp.w1", rows(gate.swap_dims(1, 2)));
+                put("experts.mlp.v1", rows(up.swap_dims(1, 2)));
+                put("experts.mlp.w2", rows(down));
+            }
             MoeScheme::GraniteMoe => {
                 // PyTorch's layout: [E, 2·d_ff, d_model] (gate rows first), [E, d_model, d_ff].
                 let [gate, up, down] = [gate, up, down].map(|t| t.swap_dims(1, 2));
