@@ -44,6 +44,7 @@
 //! | `mixtral`, `qwen2_moe`, `qwen3_moe`, `deepseek_v3` | dense layers as `llama`; sparse layers: [`HfModel::load_moe_layer`] | | see [`HfModel::moe_config`] |
 
 pub mod moe;
+mod moe_weights;
 
 use std::path::{Path, PathBuf};
 
