@@ -204,24 +204,30 @@ fn zero_where<B: Backend>(
     }
 }
 
-/// The `up` side of a gated unit, `ψ(u)`, and `upstream ⊙ ψ'(u)`: `ψ(u) = u` but for
-/// [`Activation::SwigluOai`], `ψ(u) = clamp(u, −L, L) + 1`, `ψ'(u) = [|u| ≤ L]`.
-fn up_and_backward<B: Backend>(
-    u: FloatTensor<B>,
-    upstream: Option<FloatTensor<B>>,
-    activation: Activation,
-) -> (FloatTensor<B>, Option<FloatTensor<B>>) {
+/// The `up` side of a gated unit, `ψ(u)`: `u` but for [`Activation::SwigluOai`],
+/// `ψ(u) = clamp(u, −L, L) + 1`.
+fn up_side<B: Backend>(u: FloatTensor<B>, activation: Activation) -> FloatTensor<B> {
     match activation {
         Activation::SwigluOai => {
             let limit = Activation::OAI_LIMIT;
-            let psi = shift::<B>(
-                B::float_clamp(u.clone(), (-limit).into(), limit.into()),
-                1.0,
-            );
-            let d = upstream.map(|up| zero_where::<B>(up, &u, limit, Some(-limit)));
-            (psi, d)
+            shift::<B>(B::float_clamp(u, (-limit).into(), limit.into()), 1.0)
         }
-        _ => (u, upstream),
+        _ => u,
+    }
+}
+
+/// `upstream ⊙ ψ'(u)`: `upstream` but for [`Activation::SwigluOai`], `ψ'(u) = [|u| ≤ L]`.
+fn up_side_backward<B: Backend>(
+    upstream: FloatTensor<B>,
+    u: &FloatTensor<B>,
+    activation: Activation,
+) -> FloatTensor<B> {
+    match activation {
+        Activation::SwigluOai => {
+            let limit = Activation::OAI_LIMIT;
+            zero_where::<B>(upstream, u, limit, Some(-limit))
+        }
+        _ => upstream,
     }
 }
 
@@ -243,7 +249,7 @@ pub fn hidden<B: Backend>(pre: &Pre<B>, activation: Activation) -> FloatTensor<B
         Pre::Plain(a) => activate_and_backward::<B>(a.clone(), None, activation).0,
         Pre::Gated(g, u) => {
             let (phi, _) = activate_and_backward::<B>(g.clone(), None, activation);
-            mul::<B>(phi, up_and_backward::<B>(u.clone(), None, activation).0)
+            mul::<B>(phi, up_side::<B>(u.clone(), activation))
         }
         Pre::Fused(gu) => {
             let (g, u) = split::<B>(gu);
@@ -263,13 +269,12 @@ pub fn hidden_backward<B: Backend>(
             Pre::Plain(da.expect("asked for"))
         }
         // dg = dh ⊙ ψ(u) ⊙ φ'(g),  du = dh ⊙ φ(g) ⊙ ψ'(u)   (ψ: the identity but for
-        // SwigluOai, see `up_and_backward`)
+        // SwigluOai, see `up_side`)
         Pre::Gated(g, u) => {
-            let (psi, _) = up_and_backward::<B>(u.clone(), None, activation);
-            let upstream = mul::<B>(dh.clone(), psi);
+            let upstream = mul::<B>(dh.clone(), up_side::<B>(u.clone(), activation));
             let (phi, dg) = activate_and_backward::<B>(g.clone(), Some(upstream), activation);
-            let (_, du) = up_and_backward::<B>(u.clone(), Some(mul::<B>(dh, phi)), activation);
-            Pre::Gated(dg.expect("asked for"), du.expect("asked for"))
+            let du = up_side_backward::<B>(mul::<B>(dh, phi), u, activation);
+            Pre::Gated(dg.expect("asked for"), du)
         }
         Pre::Fused(gu) => {
             let (g, u) = split::<B>(gu);

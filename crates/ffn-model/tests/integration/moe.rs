@@ -765,6 +765,58 @@ fn hugging_face_moe_layers_match_transformers() {
 /// A tensor of a file being edited: name, shape, values.
 type Named = (String, Vec<usize>, Vec<f32>);
 
+/// An f32 safetensors file with `edit` applied to its tensors.
+fn edit_tensors(weights: &[u8], edit: &dyn Fn(&mut Vec<Named>)) -> Vec<u8> {
+    let file = safetensors::SafeTensors::deserialize(weights).unwrap();
+    let mut tensors: Vec<Named> = file
+        .tensors()
+        .into_iter()
+        .map(|(name, view)| {
+            let data = view
+                .data()
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+                .collect();
+            (name, view.shape().to_vec(), data)
+        })
+        .collect();
+    edit(&mut tensors);
+    let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = tensors
+        .into_iter()
+        .map(|(n, s, d)| (n, s, d.iter().flat_map(|v| v.to_le_bytes()).collect()))
+        .collect();
+    let views = bytes.iter().map(|(n, s, d)| {
+        let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), d);
+        (n.clone(), view.unwrap())
+    });
+    safetensors::serialize(views, None).unwrap()
+}
+
+/// A scratch copy of fixture `name` with `edit` applied to its `config.json`.
+fn with_config(name: &str, edit: impl Fn(&mut serde_json::Value)) -> ffn_test_support::Scratch {
+    let source = ffn_test_support::data_file(&format!("hf/{name}"));
+    let text = std::fs::read_to_string(source.join("config.json")).unwrap();
+    let mut config: serde_json::Value = serde_json::from_str(&text).unwrap();
+    edit(&mut config);
+    let dir = ffn_test_support::scratch(&format!("config-{name}"));
+    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    std::fs::copy(
+        source.join("model.safetensors"),
+        dir.join("model.safetensors"),
+    )
+    .unwrap();
+    dir
+}
+
+/// Layer 1's sparse block loaded from a folder of `config` and `weights`.
+fn load_layer_1(config: &str, weights: &[u8]) -> Result<(), ffn_model::Error> {
+    let dir = ffn_test_support::scratch("moe-broken");
+    std::fs::write(dir.join("config.json"), config).unwrap();
+    std::fs::write(dir.join("model.safetensors"), weights).unwrap();
+    let model = ffn_model::HfModel::open(&*dir);
+    model.and_then(|mut m| m.load_moe_layer(1, &Device::flex()).map(drop))
+}
+
 /// Edited MoE checkpoints and configs: each a typed error, never a panic.
 #[test]
 fn broken_moe_checkpoints_are_typed_errors() {
@@ -772,44 +824,9 @@ fn broken_moe_checkpoints_are_typed_errors() {
     let source = ffn_test_support::data_file("hf/mixtral");
     let config = std::fs::read_to_string(source.join("config.json")).unwrap();
     let weights = std::fs::read(source.join("model.safetensors")).unwrap();
-    let file = safetensors::SafeTensors::deserialize(&weights).unwrap();
     let prefix = "model.layers.1.block_sparse_moe.";
-    // The file with `edit` applied to its (name → (shape, f32 values)) map.
-    let edited = |edit: &dyn Fn(&mut Vec<Named>)| {
-        let mut tensors: Vec<Named> = file
-            .tensors()
-            .into_iter()
-            .map(|(name, view)| {
-                let data = view
-                    .data()
-                    .chunks_exact(4)
-                    .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-                    .collect();
-                (name, view.shape().to_vec(), data)
-            })
-            .collect();
-        edit(&mut tensors);
-        let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = tensors
-            .into_iter()
-            .map(|(n, s, d)| (n, s, d.iter().flat_map(|v| v.to_le_bytes()).collect()))
-            .collect();
-        let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = bytes
-            .iter()
-            .map(|(n, s, d)| {
-                let view =
-                    safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), d);
-                (n.clone(), view.unwrap())
-            })
-            .collect();
-        safetensors::serialize(views, None).unwrap()
-    };
-    let load = |config: &str, weights: &[u8]| {
-        let dir = ffn_test_support::scratch("moe-broken");
-        std::fs::write(dir.join("config.json"), config).unwrap();
-        std::fs::write(dir.join("model.safetensors"), weights).unwrap();
-        let result = HfModel::open(&*dir).and_then(|mut m| m.load_moe_layer(1, &Device::flex()));
-        result.map(drop)
-    };
+    let edited = |edit: &dyn Fn(&mut Vec<Named>)| edit_tensors(&weights, edit);
+    let load = load_layer_1;
     assert!(load(&config, &weights).is_ok());
     let expert = |e: usize, w: &str| format!("{prefix}experts.{e}.{w}.weight");
     // An expert missing.
@@ -996,55 +1013,18 @@ fn sparse_layers_are_found_and_agree_with_the_config() {
     }
 
     // Configs edited to disagree with their files.
-    let disagree = |name: &str, from: &str, to: &str| {
-        let source = ffn_test_support::data_file(&format!("hf/{name}"));
-        let config = std::fs::read_to_string(source.join("config.json")).unwrap();
-        assert!(config.contains(from), "{name}: {from}");
-        let dir = ffn_test_support::scratch("moe-layers");
-        std::fs::write(dir.join("config.json"), config.replace(from, to)).unwrap();
-        std::fs::copy(
-            source.join("model.safetensors"),
-            dir.join("model.safetensors"),
-        )
-        .unwrap();
-        HfModel::open(&*dir).unwrap().moe_layers()
-    };
-    for (name, from, to, field) in [
-        (
-            "deepseek_v3",
-            "\"first_k_dense_replace\": 1",
-            "\"first_k_dense_replace\": 0",
-            "first_k_dense_replace",
-        ),
-        (
-            "llama4_text",
-            "\"moe_layers\": [\n    1\n  ]",
-            "\"moe_layers\": [0, 1]",
-            "moe_layers",
-        ),
-        (
-            "llama4_text",
-            "\"moe_layers\": [\n    1\n  ]",
-            "\"moe_layers\": [\"one\"]",
-            "moe_layers",
-        ),
-        (
-            "qwen2_moe",
-            "\"decoder_sparse_step\": 1",
-            "\"decoder_sparse_step\": 2",
-            "decoder_sparse_step",
-        ),
-        (
-            "qwen2_moe",
-            "\"decoder_sparse_step\": 1",
-            "\"decoder_sparse_step\": 0",
-            "decoder_sparse_step",
-        ),
+    for (name, field, value) in [
+        ("deepseek_v3", "first_k_dense_replace", serde_json::json!(0)),
+        ("llama4_text", "moe_layers", serde_json::json!([0, 1])),
+        ("llama4_text", "moe_layers", serde_json::json!(["one"])),
+        ("qwen2_moe", "decoder_sparse_step", serde_json::json!(2)),
+        ("qwen2_moe", "decoder_sparse_step", serde_json::json!(0)),
     ] {
-        let result = disagree(name, from, to);
+        let dir = with_config(name, |c| c[field] = value.clone());
+        let result = HfModel::open(&*dir).unwrap().moe_layers();
         assert!(
             matches!(&result, Err(Error::HfConfig { field: f, .. }) if f == field),
-            "{name} {to}: {result:?}"
+            "{name} {field} = {value}: {result:?}"
         );
     }
 
@@ -1079,42 +1059,24 @@ fn sparse_layers_are_found_and_agree_with_the_config() {
 /// `swiglu_limit` other than 7. Each is a typed error naming the key or field.
 #[test]
 fn broken_gpt_oss_checkpoints_are_typed_errors() {
-    use ffn_model::{Error, HfModel};
+    use ffn_model::Error;
     let source = ffn_test_support::data_file("hf/gpt_oss");
     let config = std::fs::read_to_string(source.join("config.json")).unwrap();
     let weights = std::fs::read(source.join("model.safetensors")).unwrap();
-    let file = safetensors::SafeTensors::deserialize(&weights).unwrap();
     let prefix = "model.layers.1.mlp.";
-    // The file with tensor `key` reshaped to `shape` (values cut or padded), or dropped.
+    // The file with tensor `key` reshaped to `shape` (values cut or padded with zeros), or
+    // dropped.
     let edited = |key: &str, shape: Option<Vec<usize>>| {
-        let mut owned: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
-        for (name, view) in file.tensors() {
-            if name == format!("{prefix}{key}") {
-                let Some(shape) = &shape else { continue };
-                let mut data = view.data().to_vec();
-                data.resize(shape.iter().product::<usize>() * 4, 0);
-                owned.push((name, shape.clone(), data));
-            } else {
-                owned.push((name, view.shape().to_vec(), view.data().to_vec()));
+        let key = format!("{prefix}{key}");
+        edit_tensors(&weights, &|tensors| {
+            tensors.retain(|(name, ..)| *name != key || shape.is_some());
+            if let Some((_, s, values)) = tensors.iter_mut().find(|(name, ..)| *name == key) {
+                *s = shape.clone().expect("kept");
+                values.resize(s.iter().product(), 0.0);
             }
-        }
-        let views: Vec<_> = owned
-            .iter()
-            .map(|(n, s, d)| {
-                let view =
-                    safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), d);
-                (n.clone(), view.unwrap())
-            })
-            .collect();
-        safetensors::serialize(views, None).unwrap()
+        })
     };
-    let load = |config: &str, weights: &[u8]| {
-        let dir = ffn_test_support::scratch("gpt-oss-broken");
-        std::fs::write(dir.join("config.json"), config).unwrap();
-        std::fs::write(dir.join("model.safetensors"), weights).unwrap();
-        let result = HfModel::open(&*dir).and_then(|mut m| m.load_moe_layer(1, &Device::flex()));
-        result.map(drop)
-    };
+    let load = load_layer_1;
     assert!(load(&config, &weights).is_ok());
     let key = |k: &str| format!("{prefix}{k}");
     for (tensor, shape) in [
@@ -1159,23 +1121,12 @@ fn broken_gpt_oss_checkpoints_are_typed_errors() {
 #[test]
 fn broken_dbrx_configs_name_their_ffn_config_field() {
     use ffn_model::{Error, HfModel};
-    let source = ffn_test_support::data_file("hf/dbrx");
-    let config = std::fs::read_to_string(source.join("config.json")).unwrap();
-    let config: serde_json::Value = serde_json::from_str(&config).unwrap();
     for (field, value) in [
         ("moe_normalize_expert_weights", serde_json::json!(2.0)),
         ("ffn_act_fn", serde_json::json!({"kind": "silu"})),
         ("moe_top_k", serde_json::json!(5)),
     ] {
-        let mut edited = config.clone();
-        edited["ffn_config"][field] = value;
-        let dir = ffn_test_support::scratch("dbrx-broken");
-        std::fs::write(dir.join("config.json"), edited.to_string()).unwrap();
-        std::fs::copy(
-            source.join("model.safetensors"),
-            dir.join("model.safetensors"),
-        )
-        .unwrap();
+        let dir = with_config("dbrx", |c| c["ffn_config"][field] = value.clone());
         let result = HfModel::open(&*dir).and_then(|m| m.moe_config());
         let expected = format!("ffn_config.{field}");
         assert!(
