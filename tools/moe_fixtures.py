@@ -25,11 +25,12 @@ router, softmax of the top-2 logits, biased experts packed [E, hidden, 2f] with 
 interleaved, the clamped SwiGLU; its experts drawn wide enough to cross the clips), llama4_text
 (sigmoid top-1 that scales the expert's input, experts packed [E, hidden, 2f], an ungated shared
 expert; layer 0 dense, of its own width intermediate_size_mlp), dbrx (its FFN's fields in
-ffn_config, experts as rows of w1/v1/w2, top-2 renormalised by their 1-norm), llama4 (the same as the
-multimodal model Llama 4 is released as: fields in text_config, a vision tower beside it); and six families the reader was
-not written against: glm4_moe, dots1 and exaone_moe (DeepSeek-V3's routing; EXAONE keeps the
-selection bias beside the router), minimax (Mixtral's), flex_olmo (OLMoE's), jamba (softmax
-top-2 not renormalised, with no field to say so).
+ffn_config, experts as rows of w1/v1/w2, top-2 renormalised by their 1-norm), llama4 (the
+multimodal model Llama 4 is released as: fields in text_config, a vision tower beside it); and
+seven families the reader was not written against: qwen3_5_moe (multimodal, Qwen2-MoE's
+block), glm4_moe, dots1 and exaone_moe (DeepSeek-V3's routing; EXAONE keeps the selection bias
+beside the router), minimax (Mixtral's), flex_olmo (OLMoE's), jamba (softmax top-2 not
+renormalised, with no field to say so).
 
     pip install torch transformers safetensors && python3 tools/moe_fixtures.py [NAME ...]
 """
@@ -102,6 +103,13 @@ def models():
                 intermediate_size=24, image_size=16, patch_size=8, vision_output_dim=HIDDEN,
                 projector_input_dim=HIDDEN, projector_output_dim=HIDDEN))),
         # Families the reader was not written against (loaded by their keys and fields alone).
+        "qwen3_5_moe": (transformers.Qwen3_5MoeForConditionalGeneration, transformers.Qwen3_5MoeConfig(
+            text_config=dict(
+                **common, moe_intermediate_size=EXPERT, shared_expert_intermediate_size=20,
+                num_experts=4, num_experts_per_tok=2, head_dim=8,
+                layer_types=["full_attention", "full_attention"]),
+            vision_config=dict(depth=3, hidden_size=HIDDEN, intermediate_size=24, num_heads=2,
+                               patch_size=8, out_hidden_size=HIDDEN))),
         "glm4_moe": (transformers.Glm4MoeForCausalLM, transformers.Glm4MoeConfig(
             **common, intermediate_size=20, moe_intermediate_size=EXPERT, n_routed_experts=8,
             num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1,
@@ -136,7 +144,7 @@ def sparse_block(model, i):
     """Layer `i`'s sparse block: in the language model's layers (not a multimodal model's
     vision tower), its `mlp`, `block_sparse_moe`, `feed_forward` or `ffn`."""
     layers = next(m for n, m in model.named_modules()
-                  if n.endswith(("layers", "blocks")) and "vision" not in n)
+                  if n.endswith(("layers", "blocks")) and "vision" not in n and "visual" not in n)
     return next(getattr(layers[i], a) for a in ("mlp", "block_sparse_moe", "feed_forward", "ffn")
                 if hasattr(layers[i], a))
 

@@ -694,7 +694,7 @@ fn random_configs_validate_or_run() {
 /// `HfModel::load_moe_layer`: output, router logits and the gradients of the input, the router
 /// and expert 1, against `transformers` run in f64 on the same (f32) weights: within 2e-5 in
 /// f32 and 1e-6 in f64 (`transformers` computes the routing scores in f32 even then, which
-/// leaves 1e-7 differences). The last six are families the reader was not written against:
+/// leaves 1e-7 differences). The last seven are families the reader was not written against:
 /// they load by their keys and fields (Jamba needed one table entry: it does not renormalise
 /// its top k, and no field says so).
 #[test]
@@ -714,6 +714,7 @@ fn hugging_face_moe_layers_match_transformers() {
         "llama4_text",
         "llama4",
         "dbrx",
+        "qwen3_5_moe",
         "glm4_moe",
         "minimax",
         "flex_olmo",
@@ -923,6 +924,11 @@ fn moe_layers_save_back_to_their_checkpoint_names() {
         ("dots1", "model.layers.1.mlp.", "deepseek_v3"),
         ("minimax", "model.layers.1.block_sparse_moe.", "mixtral"),
         ("flex_olmo", "model.layers.1.mlp.", "qwen3_moe"),
+        (
+            "qwen3_5_moe",
+            "model.language_model.layers.1.mlp.",
+            "qwen2_moe",
+        ),
     ] {
         let folder = ffn_test_support::data_file(&format!("hf/{name}"));
         let moe = HfModel::open(&folder)
@@ -1000,6 +1006,7 @@ fn sparse_layers_are_found_and_agree_with_the_config() {
         ("llama4_text", &[1]),
         ("llama4", &[1]),
         ("dbrx", &[0, 1]),
+        ("qwen3_5_moe", &[0, 1]),
         ("glm4_moe", &[1]),
         ("minimax", &[0, 1]),
         ("flex_olmo", &[0, 1]),
