@@ -234,7 +234,9 @@ impl HfModel {
     /// `config.json`, the routing from its fields (`norm_topk_prob`, `router_jitter_noise`,
     /// `routed_scaling_factor`, `topk_method` with `n_group`/`topk_group`) and from the keys
     /// (a shared expert and its gate, `shared_experts`, DeepSeek-V3's
-    /// `e_score_correction_bias`, which means sigmoid scores).
+    /// `e_score_correction_bias`, which means sigmoid scores; biases; gpt-oss's
+    /// `swiglu_limit`). Which layers it is for: [`moe_layers`](Self::moe_layers); the others
+    /// load with [`load_layer`](Self::load_layer).
     pub fn moe_config(&self) -> Result<MoeConfig, Error> {
         let kind = self.model_type();
         let Some((_, prefix)) = self.sparse_blocks().into_iter().next() else {
