@@ -35,7 +35,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
         let mut model = HfModel::open(&folder)?;
         let weights = out.join(format!("{name}.layer1.safetensors"));
-        let (prefix, x, y) = if folder.join("moe_io.safetensors").is_file() {
+        let (prefix, y) = if folder.join("moe_io.safetensors").is_file() {
             let prefix = model.moe_layer_prefix(1)?;
             let moe = model.load_moe_layer(1, &device)?;
             let scheme = model.moe_scheme()?;
@@ -60,17 +60,16 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 continue;
             }
             let x = input(&folder.join("moe_io.safetensors"), &device)?;
-            (prefix, x.clone(), moe.forward(x).output)
+            (prefix, moe.forward(x).output)
         } else if folder.join("ffn_io.safetensors").is_file() {
             let prefix = model.layer_prefix(1)?;
             let ffn = model.load_layer(1, &device)?;
             ffn.save_safetensors_as(&weights, model.scheme(), &prefix)?;
             let x = input(&folder.join("ffn_io.safetensors"), &device)?;
-            (prefix, x.clone(), ffn.forward(x))
+            (prefix, ffn.forward(x))
         } else {
             continue;
         };
-        drop(x);
         let y = y.into_data();
         let bytes: Vec<u8> = y.iter::<f32>().flat_map(f32::to_le_bytes).collect();
         let view = safetensors::tensor::TensorView::new(

@@ -165,6 +165,7 @@ def main(only):
         folder = OUT / name
         shutil.rmtree(folder, ignore_errors=True)
         model.save_pretrained(folder)
+        (folder / "generation_config.json").unlink(missing_ok=True)  # not read, not committed
         block = sparse_block(model, 1).double()
         router = block.gate if hasattr(block, "gate") else block.router
         router = getattr(router, "layer", router)  # DBRX's router holds its Linear

@@ -106,6 +106,30 @@ impl ModuleMapper for Perturb {
     }
 }
 
+/// Replaces every float parameter with seeded normals of standard deviation `scale /
+/// √(its last dimension)`: parameters that do not depend on burn's process-wide RNG (which the
+/// tests of one binary share, in whatever order they run).
+pub struct Redraw {
+    /// The stream the values come from.
+    pub rng: Rng,
+    /// The standard deviation at a last dimension of 1.
+    pub scale: f64,
+}
+
+impl ModuleMapper for Redraw {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        let rng = &mut self.rng;
+        let scale = self.scale;
+        param.map(|t| {
+            let dims = t.dims();
+            let std = scale / (dims[D - 1].max(1) as f64).sqrt();
+            let values: Vec<f64> = rng.data(&dims).iter::<f64>().map(|v| v * std).collect();
+            let data = TensorData::new(values, dims.to_vec());
+            Tensor::from_data(data, (&t.device(), t.dtype()))
+        })
+    }
+}
+
 /// The same safetensors file without its header metadata.
 pub fn strip_metadata(bytes: &[u8]) -> Vec<u8> {
     let file = SafeTensors::deserialize(bytes).unwrap();

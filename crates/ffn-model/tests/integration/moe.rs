@@ -12,7 +12,7 @@ use burn::module::{Module, Param};
 use burn::tensor::activation::{sigmoid, softmax};
 use burn::tensor::{DType, Device, Tensor, TensorData};
 use ffn_model::{Activation, ConfigError, FeedForwardConfig, Memory, Moe, MoeConfig, Scoring};
-use ffn_test_support::{Cast, Perturb, Rng, device, property};
+use ffn_test_support::{Cast, Perturb, Redraw, Rng, device, property};
 
 const D: usize = 6;
 
@@ -269,8 +269,12 @@ fn bf16_experts_round_their_products_and_the_router_stays_f32() {
     for (name, config) in configs() {
         let mut bf16_config = config.clone();
         bf16_config.expert.precision = ffn_model::Precision::Bf16;
-        // The same parameters, in two precisions.
-        let f32_moe = config.init(&device);
+        // The same parameters, in two precisions, drawn from a seeded stream: the rounding
+        // this test counts depends on them, and burn's own RNG is shared by the binary's tests.
+        let f32_moe = config.init(&device).map(&mut Redraw {
+            rng: Rng(23),
+            scale: 1.0,
+        });
         let bf16_moe = bf16_config
             .init(&device)
             .load_record(f32_moe.clone().into_record());
@@ -690,38 +694,104 @@ fn random_configs_validate_or_run() {
     });
 }
 
+/// Every MoE fixture (`tools/moe_fixtures.py`): its layer 1's block prefix, the scheme its
+/// keys follow (the model type's own where one is named after it; `None`: no scheme writes its
+/// names), and its sparse layers. The last seven are families the reader was not written
+/// against.
+const SPARSE: [(&str, &str, Option<&str>, &[usize]); 19] = [
+    (
+        "mixtral",
+        "model.layers.1.block_sparse_moe.",
+        Some("mixtral"),
+        &[0, 1],
+    ),
+    (
+        "qwen2_moe",
+        "model.layers.1.mlp.",
+        Some("qwen2_moe"),
+        &[0, 1],
+    ),
+    (
+        "qwen3_moe",
+        "model.layers.1.mlp.",
+        Some("qwen3_moe"),
+        &[0, 1],
+    ),
+    ("olmoe", "model.layers.1.mlp.", Some("olmoe"), &[0, 1]),
+    (
+        "granitemoe",
+        "model.layers.1.block_sparse_moe.",
+        Some("granitemoe"),
+        &[0, 1],
+    ),
+    (
+        "qwen3_next",
+        "model.layers.1.mlp.",
+        Some("qwen3_next"),
+        &[0, 1],
+    ),
+    (
+        "deepseek_v2",
+        "model.layers.1.mlp.",
+        Some("deepseek_v2"),
+        &[1],
+    ),
+    (
+        "deepseek_v3",
+        "model.layers.1.mlp.",
+        Some("deepseek_v3"),
+        &[1],
+    ),
+    ("gpt_oss", "model.layers.1.mlp.", Some("gpt_oss"), &[0, 1]),
+    ("dbrx", "transformer.blocks.1.ffn.", Some("dbrx"), &[0, 1]),
+    (
+        "llama4_text",
+        "model.layers.1.feed_forward.",
+        Some("llama4_text"),
+        &[1],
+    ),
+    (
+        "llama4",
+        "language_model.model.layers.1.feed_forward.",
+        Some("llama4"),
+        &[1],
+    ),
+    (
+        "qwen3_5_moe",
+        "model.language_model.layers.1.mlp.",
+        Some("qwen2_moe"),
+        &[0, 1],
+    ),
+    ("glm4_moe", "model.layers.1.mlp.", Some("deepseek_v3"), &[1]),
+    ("dots1", "model.layers.1.mlp.", Some("deepseek_v3"), &[1]),
+    (
+        "minimax",
+        "model.layers.1.block_sparse_moe.",
+        Some("mixtral"),
+        &[0, 1],
+    ),
+    (
+        "flex_olmo",
+        "model.layers.1.mlp.",
+        Some("qwen3_moe"),
+        &[0, 1],
+    ),
+    ("exaone_moe", "model.layers.1.mlp.", None, &[1]),
+    ("jamba", "model.layers.1.feed_forward.", None, &[0, 1]),
+];
+
 /// The sparse block of tiny `transformers` models (`tools/moe_fixtures.py`) loaded with
 /// `HfModel::load_moe_layer`: output, router logits and the gradients of the input, the router
 /// and expert 1, against `transformers` run in f64 on the same (f32) weights: within 2e-5 in
 /// f32 and 1e-6 in f64 (`transformers` computes the routing scores in f32 even then, which
-/// leaves 1e-7 differences). The last seven are families the reader was not written against:
-/// they load by their keys and fields (Jamba needed one table entry: it does not renormalise
-/// its top k, and no field says so).
+/// leaves 1e-7 differences). Families the reader was not written against load by their keys
+/// and fields (Jamba needed one table entry: it does not renormalise its top k, and no field
+/// says so).
 #[test]
 fn hugging_face_moe_layers_match_transformers() {
     use ffn_model::HfModel;
     use ffn_test_support::read_f64;
-    for name in [
-        "mixtral",
-        "qwen2_moe",
-        "qwen3_moe",
-        "olmoe",
-        "granitemoe",
-        "qwen3_next",
-        "deepseek_v2",
-        "deepseek_v3",
-        "gpt_oss",
-        "llama4_text",
-        "llama4",
-        "dbrx",
-        "qwen3_5_moe",
-        "glm4_moe",
-        "minimax",
-        "flex_olmo",
-        "dots1",
-        "exaone_moe",
-        "jamba",
-    ] {
+    for (name, ..) in SPARSE {
         let folder = ffn_test_support::data_file(&format!("hf/{name}"));
         let mut model = HfModel::open(&folder).unwrap();
         let bytes = std::fs::read(folder.join("moe_io.safetensors")).unwrap();
@@ -896,65 +966,27 @@ fn broken_moe_checkpoints_are_typed_errors() {
 #[test]
 fn moe_layers_save_back_to_their_checkpoint_names() {
     use ffn_model::{Error, HfModel};
-    // (fixture, block, the scheme its keys follow: the model type's own where one is named
-    // after it)
-    for (name, block, follows) in [
-        ("mixtral", "model.layers.1.block_sparse_moe.", "mixtral"),
-        ("qwen2_moe", "model.layers.1.mlp.", "qwen2_moe"),
-        ("qwen3_moe", "model.layers.1.mlp.", "qwen3_moe"),
-        ("olmoe", "model.layers.1.mlp.", "olmoe"),
-        (
-            "granitemoe",
-            "model.layers.1.block_sparse_moe.",
-            "granitemoe",
-        ),
-        ("qwen3_next", "model.layers.1.mlp.", "qwen3_next"),
-        ("deepseek_v2", "model.layers.1.mlp.", "deepseek_v2"),
-        ("deepseek_v3", "model.layers.1.mlp.", "deepseek_v3"),
-        ("gpt_oss", "model.layers.1.mlp.", "gpt_oss"),
-        ("dbrx", "transformer.blocks.1.ffn.", "dbrx"),
-        ("llama4_text", "model.layers.1.feed_forward.", "llama4_text"),
-        (
-            "llama4",
-            "language_model.model.layers.1.feed_forward.",
-            "llama4",
-        ),
-        // Families no scheme is named after, written in the names of the one they follow.
-        ("glm4_moe", "model.layers.1.mlp.", "deepseek_v3"),
-        ("dots1", "model.layers.1.mlp.", "deepseek_v3"),
-        ("minimax", "model.layers.1.block_sparse_moe.", "mixtral"),
-        ("flex_olmo", "model.layers.1.mlp.", "qwen3_moe"),
-        (
-            "qwen3_5_moe",
-            "model.language_model.layers.1.mlp.",
-            "qwen2_moe",
-        ),
-    ] {
+    for (name, prefix, follows, _) in SPARSE {
         let folder = ffn_test_support::data_file(&format!("hf/{name}"));
-        let moe = HfModel::open(&folder)
-            .unwrap()
-            .load_moe_layer(1, &Device::flex())
-            .unwrap();
-        let prefix = block.to_string();
-        assert_eq!(
-            HfModel::open(&folder).unwrap().moe_layer_prefix(1).unwrap(),
-            prefix
-        );
+        let mut model = HfModel::open(&folder).unwrap();
+        assert_eq!(model.moe_layer_prefix(1).unwrap(), prefix, "{name}");
+        let Some(follows) = follows else { continue };
         // The scheme the keys show (OLMoE's is Qwen3-MoE's).
-        let scheme = HfModel::open(&folder).unwrap().moe_scheme().unwrap();
+        let scheme = model.moe_scheme().unwrap();
         assert_eq!(
             scheme,
             follows.parse::<ffn_model::MoeScheme>().unwrap(),
             "{name}"
         );
-        let saved = moe.to_safetensors_bytes_as(scheme, &prefix).unwrap();
+        let moe = model.load_moe_layer(1, &Device::flex()).unwrap();
+        let saved = moe.to_safetensors_bytes_as(scheme, prefix).unwrap();
         let saved = safetensors::SafeTensors::deserialize(&saved).unwrap();
         let original = std::fs::read(folder.join("model.safetensors")).unwrap();
         let original = safetensors::SafeTensors::deserialize(&original).unwrap();
         let mut expected: Vec<String> = original
             .names()
             .into_iter()
-            .filter(|k| k.starts_with(&prefix))
+            .filter(|k| k.starts_with(prefix))
             .map(str::to_string)
             .collect();
         expected.sort();
@@ -977,7 +1009,7 @@ fn moe_layers_save_back_to_their_checkpoint_names() {
         };
         assert!(
             matches!(
-                moe.to_safetensors_bytes_as(other, &prefix),
+                moe.to_safetensors_bytes_as(other, prefix),
                 Err(Error::Scheme(_))
             ),
             "{name} as {other}"
@@ -993,28 +1025,8 @@ fn moe_layers_save_back_to_their_checkpoint_names() {
 #[test]
 fn sparse_layers_are_found_and_agree_with_the_config() {
     use ffn_model::{Error, HfModel};
-    for (name, sparse) in [
-        ("mixtral", &[0, 1][..]),
-        ("qwen2_moe", &[0, 1]),
-        ("qwen3_moe", &[0, 1]),
-        ("olmoe", &[0, 1]),
-        ("granitemoe", &[0, 1]),
-        ("qwen3_next", &[0, 1]),
-        ("deepseek_v2", &[1]),
-        ("deepseek_v3", &[1]),
-        ("gpt_oss", &[0, 1]),
-        ("llama4_text", &[1]),
-        ("llama4", &[1]),
-        ("dbrx", &[0, 1]),
-        ("qwen3_5_moe", &[0, 1]),
-        ("glm4_moe", &[1]),
-        ("minimax", &[0, 1]),
-        ("flex_olmo", &[0, 1]),
-        ("dots1", &[1]),
-        ("exaone_moe", &[1]),
-        ("jamba", &[0, 1]),
-        ("llama", &[]),
-    ] {
+    let dense: (&str, &str, Option<&str>, &[usize]) = ("llama", "", None, &[]);
+    for (name, _, _, sparse) in SPARSE.into_iter().chain([dense]) {
         let model = HfModel::open(ffn_test_support::data_file(&format!("hf/{name}"))).unwrap();
         assert_eq!(model.moe_layers().unwrap(), sparse, "{name}");
     }

@@ -287,28 +287,27 @@ impl HfModel {
                 },
             ));
         }
-        let mut stacks: std::collections::BTreeMap<&str, usize> = Default::default();
-        for (stack, _) in &found {
-            *stacks.entry(stack.as_str()).or_default() += 1;
+        // Each stack's layer count, and whether its sizes fit the config's (read from its
+        // first FFN, once per stack).
+        let mut stacks: std::collections::BTreeMap<&str, (usize, bool)> = Default::default();
+        for (stack, ffn) in &found {
+            stacks
+                .entry(stack.as_str())
+                .or_insert_with(|| (0, self.found_config(ffn).is_ok()))
+                .0 += 1;
         }
         // A stack whose sizes contradict the config's belongs to another model in the file (a
         // multimodal model's vision tower): left out, unless every stack does (then the error
         // comes from the config's own stack, when its FFN is read).
-        let fits = |stack: &str| {
-            found
-                .iter()
-                .find(|(s, _)| s == stack)
-                .is_some_and(|(_, ffn)| self.found_config(ffn).is_ok())
-        };
-        if stacks.keys().any(|s| fits(s)) {
-            stacks.retain(|s, _| fits(s));
+        if stacks.values().any(|&(_, fits)| fits) {
+            stacks.retain(|_, &mut (_, fits)| fits);
         }
         let encoder = |s: &str| s.split('.').any(|p| p == "encoder");
         // The most layers, then an encoder, then the shortest name, then the first in order.
         let Some(chosen) = stacks
             .iter()
             .rev()
-            .max_by_key(|(s, n)| (**n, encoder(s), std::cmp::Reverse(s.len())))
+            .max_by_key(|(s, (n, _))| (*n, encoder(s), std::cmp::Reverse(s.len())))
             .map(|(s, _)| s.to_string())
         else {
             return Vec::new();
