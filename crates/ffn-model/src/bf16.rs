@@ -65,15 +65,23 @@ impl Matrix {
 }
 
 /// Rows of a tile of `C` held in registers.
-const MR: usize = 12;
-/// Columns of a tile: two 16-lane vectors.
-const NR: usize = 32;
-/// Elements of `K` per packed block: an `A` panel of `MR × K_BLOCK` bf16 is 24 KiB, a `B` panel
-/// of `K_BLOCK × NR` 64 KiB (L2). Measured on Zen 4, one thread, FFN shapes: 256 gave 134–175
-/// GF/s, 512 167–191, 1024 176–195 (fewer passes that read and write the tile of `C`).
+const MR: usize = 6;
+/// 16-lane vectors across a tile.
+const NV: usize = 4;
+/// Columns of a tile.
+const NR: usize = 16 * NV;
+/// Elements of `K` per packed block: an `A` panel of `MR × K_BLOCK` bf16 is 12 KiB (L1), a `B`
+/// panel of `K_BLOCK × NR` 128 KiB (L2). Measured on Zen 4, one thread, FFN shapes: 256 gave
+/// 134–175 GF/s, 512 167–191, 1024 176–195 (fewer passes that read and write the tile of `C`).
+///
+/// The tile's shape, measured on Zen 5 (one thread, packed panels, `[4096, 512]·[512, 2048]` and
+/// `[2048, 768]·[768, 3072]`; the peak of `vdpbf16ps` there is 529 GF/s): 12 × 32 ran at 475 and
+/// 434 GF/s, 8 × 48 at 501 and 479, 6 × 64 at 499 and 492, 4 × 96 at 490 and 475. Per pair of `K`
+/// a tile of `MR × NV` registers loads `NV` vectors of `B` and broadcasts `MR` lanes of `A`:
+/// 6 × 4 needs 10 loads for 24 `vdpbf16ps`, 12 × 2 needs 14.
 const K_BLOCK: usize = 1024;
 /// Rows of `A` a thread packs and sweeps across every panel of `B` (192 × 1024 bf16 = 384 KiB).
-const M_BLOCK: usize = 16 * MR;
+const M_BLOCK: usize = 32 * MR;
 
 /// Whether [`gemm`] can run here (x86-64 with AVX-512 F, BW, VL and BF16).
 pub fn available() -> bool {
@@ -293,7 +301,7 @@ unsafe fn pack_b(b: Matrix, k0: usize, kc: usize, j0: usize, cols: usize, out: &
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::{MR, NR};
+    use super::{MR, NR, NV};
     use std::arch::x86_64::*;
 
     /// `pack_a` for an `A` stored transposed: pair `p` of the panel's `rows` rows is the first
@@ -342,8 +350,8 @@ mod x86 {
         pub pair: usize,
     }
 
-    /// `C[..rows, ..cols] (+)= A_panel · B_panel` over `pairs` pairs of `K`: the tile in 24
-    /// registers, one `vdpbf16ps` per row and half-tile and pair.
+    /// `C[..rows, ..cols] (+)= A_panel · B_panel` over `pairs` pairs of `K`: the tile in `MR × NV`
+    /// = 24 registers, one `vdpbf16ps` per row, vector and pair.
     ///
     /// # Safety
     ///
@@ -362,20 +370,22 @@ mod x86 {
         cols: usize,
         accumulate: bool,
     ) {
-        let mut acc = [[_mm512_setzero_ps(); 2]; MR];
+        let mut acc = [[_mm512_setzero_ps(); NV]; MR];
         let (mut pa, mut pb) = (a.start, b.as_ptr());
         for _ in 0..pairs {
             // SAFETY: `pairs` pairs of MR rows and NR lanes in the panels.
             unsafe {
-                let b0 = _mm512_loadu_si512(pb as *const _);
-                let b1 = _mm512_loadu_si512(pb.add(16) as *const _);
-                let b0 = std::mem::transmute::<__m512i, __m512bh>(b0);
-                let b1 = std::mem::transmute::<__m512i, __m512bh>(b1);
+                let b: [__m512bh; NV] = std::array::from_fn(|v| {
+                    std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(
+                        pb.add(16 * v) as *const _,
+                    ))
+                });
                 for (r, acc) in acc.iter_mut().enumerate() {
                     let lane = (pa.add(r * a.row) as *const i32).read_unaligned();
                     let a = std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32(lane));
-                    acc[0] = _mm512_dpbf16_ps(acc[0], a, b0);
-                    acc[1] = _mm512_dpbf16_ps(acc[1], a, b1);
+                    for (acc, &b) in acc.iter_mut().zip(&b) {
+                        *acc = _mm512_dpbf16_ps(*acc, a, b);
+                    }
                 }
                 pa = pa.add(a.pair);
                 pb = pb.add(NR);
@@ -399,8 +409,9 @@ mod x86 {
             } else {
                 let mut buf = [0f32; NR];
                 for (r, acc) in acc.iter().enumerate().take(rows) {
-                    _mm512_storeu_ps(buf.as_mut_ptr(), acc[0]);
-                    _mm512_storeu_ps(buf.as_mut_ptr().add(16), acc[1]);
+                    for (h, &v) in acc.iter().enumerate() {
+                        _mm512_storeu_ps(buf.as_mut_ptr().add(16 * h), v);
+                    }
                     let row = c.add(r * ldc);
                     for (j, &v) in buf.iter().enumerate().take(cols) {
                         *row.add(j) = if accumulate { *row.add(j) + v } else { v };
@@ -485,6 +496,8 @@ mod tests {
             (1, 1, 1),
             (13, 33, 7),
             (12, 32, 256),
+            (6, 64, 2050),
+            (18, 128, 64),
             (25, 65, 513),
             (97, 40, 300),
             (200, 70, 1),
