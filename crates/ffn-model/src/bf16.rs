@@ -270,14 +270,28 @@ unsafe fn pack_b(b: Matrix, k0: usize, kc: usize, j0: usize, cols: usize, out: &
     // SAFETY (every read): inside B, by the caller's contract.
     unsafe {
         let origin = b.ptr.add(k0 * b.row_stride + j0 * b.col_stride);
+        #[cfg(target_arch = "x86_64")]
+        let done = if b.row_stride == 1 && cols == NR {
+            // Stored transposed: sixteen columns and sixteen pairs at a time, one transpose of
+            // 16 × 16 lanes in registers.
+            x86::pack_transposed(origin, b.col_stride, full, out);
+            full - full % 16
+        } else {
+            0
+        };
+        #[cfg(not(target_arch = "x86_64"))]
+        let done = 0;
         if b.row_stride == 1 {
             // Stored transposed (a column of B is contiguous): a pair is one 32-bit read.
             for j in 0..cols {
                 let column = origin.add(j * b.col_stride) as *const u32;
-                for p in 0..full {
+                for p in done..full {
                     out[p * NR + j] = column.add(p).read_unaligned();
                 }
             }
+        } else if cfg!(target_arch = "x86_64") && b.col_stride == 1 && cols == NR {
+            #[cfg(target_arch = "x86_64")]
+            x86::pack_rows(origin, b.row_stride, full, out);
         } else {
             for p in 0..full {
                 let (r0, r1) = (
@@ -340,6 +354,103 @@ mod x86 {
         }
     }
 
+    /// `pack_b` for a `B` stored transposed (column `j` contiguous, `col_stride` apart), a full
+    /// panel of `NR` columns: the pairs `16q..16q + 16` of sixteen columns are sixteen 64-byte
+    /// loads, transposed in registers (4 rounds of 16 shuffles) into sixteen rows of the packed
+    /// panel `[pair][column]`. Only whole groups of sixteen pairs; the caller packs the rest.
+    ///
+    /// # Safety
+    ///
+    /// AVX-512 F present; `origin` addresses `NR` columns of `2·pairs` elements; `out` holds
+    /// `pairs · NR` lanes.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn pack_transposed(
+        origin: *const u16,
+        col_stride: usize,
+        pairs: usize,
+        out: &mut [u32],
+    ) {
+        assert!(out.len() >= pairs * NR);
+        for q in 0..pairs / 16 {
+            for g in 0..NV {
+                // SAFETY: columns 16g.. of the panel, pairs 16q.. are inside B; rows 16q.. of
+                // the packed panel inside `out`.
+                unsafe {
+                    let r: [__m512i; 16] = std::array::from_fn(|c| {
+                        let column = origin.add((16 * g + c) * col_stride + 32 * q);
+                        _mm512_loadu_si512(column.cast())
+                    });
+                    for (p, row) in transpose16(r).iter().enumerate() {
+                        let dst = out.as_mut_ptr().add((16 * q + p) * NR + 16 * g);
+                        _mm512_storeu_si512(dst.cast(), *row);
+                    }
+                }
+            }
+        }
+    }
+
+    /// `pack_b` for a row-major `B`, a full panel of `NR` columns: each pair of rows is read
+    /// sixteen columns at a time, widened and interleaved (`r0[j] | r1[j] << 16`).
+    ///
+    /// # Safety
+    ///
+    /// AVX-512 F present; `origin` addresses `2·pairs` rows, `row_stride` apart, of `NR`
+    /// contiguous elements; `out` holds `pairs · NR` lanes.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn pack_rows(origin: *const u16, row_stride: usize, pairs: usize, out: &mut [u32]) {
+        assert!(out.len() >= pairs * NR);
+        for p in 0..pairs {
+            for g in 0..NV {
+                // SAFETY: rows 2p, 2p + 1 and the panel's columns are inside B; row p of the
+                // packed panel inside `out`.
+                unsafe {
+                    let r0 = origin.add(2 * p * row_stride + 16 * g);
+                    let r1 = origin.add((2 * p + 1) * row_stride + 16 * g);
+                    let lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(r0.cast()));
+                    let hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256(r1.cast()));
+                    let lanes = _mm512_or_si512(lo, _mm512_slli_epi32::<16>(hi));
+                    _mm512_storeu_si512(out.as_mut_ptr().add(p * NR + 16 * g).cast(), lanes);
+                }
+            }
+        }
+    }
+
+    /// The transpose of 16 vectors of 16 lanes: lane `c` of vector `p` becomes lane `p` of
+    /// vector `c`.
+    #[target_feature(enable = "avx512f")]
+    pub(super) fn transpose16(r: [__m512i; 16]) -> [__m512i; 16] {
+        // Pairs of rows interleave their 32-bit lanes, then 64-bit lanes, then 128-bit blocks
+        // twice: after the four rounds lane c of row p sits at row c, lane p.
+        let mut t = [_mm512_setzero_si512(); 16];
+        for i in 0..8 {
+            t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+            t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+        }
+        let mut u = [_mm512_setzero_si512(); 16];
+        for i in 0..4 {
+            for j in 0..2 {
+                let (a, b) = (t[4 * i + j], t[4 * i + j + 2]);
+                u[4 * i + 2 * j] = _mm512_unpacklo_epi64(a, b);
+                u[4 * i + 2 * j + 1] = _mm512_unpackhi_epi64(a, b);
+            }
+        }
+        let mut v = [_mm512_setzero_si512(); 16];
+        for i in 0..2 {
+            for j in 0..4 {
+                let (a, b) = (u[8 * i + j], u[8 * i + j + 4]);
+                v[8 * i + j] = _mm512_shuffle_i32x4::<0b10_00_10_00>(a, b);
+                v[8 * i + j + 4] = _mm512_shuffle_i32x4::<0b11_01_11_01>(a, b);
+            }
+        }
+        let mut w = [_mm512_setzero_si512(); 16];
+        for j in 0..8 {
+            let (a, b) = (v[j], v[j + 8]);
+            w[j] = _mm512_shuffle_i32x4::<0b10_00_10_00>(a, b);
+            w[j + 8] = _mm512_shuffle_i32x4::<0b11_01_11_01>(a, b);
+        }
+        w
+    }
+
     /// A panel of `A`: `MR` rows of `pairs` pairs, the pair `q` of row `r` (two bf16, as one
     /// 32-bit lane) at `start + r·row + q·pair` bytes: packed (`row` 4, `pair` 4·MR), or `A`
     /// itself when row-major (`row` its row stride in bytes, `pair` 4).
@@ -377,7 +488,7 @@ mod x86 {
             unsafe {
                 let b: [__m512bh; NV] = std::array::from_fn(|v| {
                     std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(
-                        pb.add(16 * v) as *const _,
+                        pb.add(16 * v) as *const _
                     ))
                 });
                 for (r, acc) in acc.iter_mut().enumerate() {
@@ -486,6 +597,28 @@ mod tests {
     /// The packed kernel equals the f64 sum of the same bf16 products to within f32 rounding
     /// of a sum of `k` terms, for every layout and edge: sizes that are not multiples of the
     /// tile, of the K block or even, and transposed operands.
+    #[test]
+    fn sixteen_lanes_transpose() {
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            use std::arch::x86_64::*;
+            // SAFETY: AVX-512 F detected.
+            unsafe {
+                let rows: [__m512i; 16] = std::array::from_fn(|p| {
+                    let lanes: [i32; 16] = std::array::from_fn(|c| (100 * p + c) as i32);
+                    _mm512_loadu_si512(lanes.as_ptr().cast())
+                });
+                let t = x86::transpose16(rows);
+                for (c, v) in t.iter().enumerate() {
+                    let mut lanes = [0i32; 16];
+                    _mm512_storeu_si512(lanes.as_mut_ptr().cast(), *v);
+                    let want: [i32; 16] = std::array::from_fn(|p| (100 * p + c) as i32);
+                    assert_eq!(lanes, want, "vector {c}");
+                }
+            }
+        }
+    }
+
     #[test]
     fn the_packed_kernel_computes_the_exact_products_summed_in_f32() {
         if !available() {
