@@ -80,6 +80,8 @@ const NR: usize = 16 * NV;
 /// a tile of `MR × NV` registers loads `NV` vectors of `B` and broadcasts `MR` lanes of `A`:
 /// 6 × 4 needs 10 loads for 24 `vdpbf16ps`, 12 × 2 needs 14.
 const K_BLOCK: usize = 1024;
+/// Panels of a transposed `A` packed at once: `GROUP · MR` = 48 rows, three vectors of sixteen.
+const GROUP: usize = 8;
 /// Rows of `A` a thread packs and sweeps across every panel of `B` (192 × 1024 bf16 = 384 KiB).
 const M_BLOCK: usize = 32 * MR;
 
@@ -149,7 +151,33 @@ pub unsafe fn gemm(m: usize, n: usize, k: usize, a: Matrix, b: Matrix, c: *mut f
                     buffer.resize(len, 0);
                 }
                 let packed_a = &mut buffer[..len];
-                for (p, out) in packed_a.chunks_mut(MR * pairs).enumerate() {
+                // A stored transposed (`Xᵀ` in `dW = Xᵀ·dY`), an even number of its columns:
+                // GROUP panels at once, each of its columns read whole (not MR elements of it
+                // per panel). The panels left over are packed one by one below.
+                let grouped = if cfg!(target_arch = "x86_64")
+                    && a.row_stride == 1
+                    && a.col_stride != 1
+                    && kc.is_multiple_of(2)
+                {
+                    mc / (GROUP * MR)
+                } else {
+                    0
+                };
+                for (g, out) in packed_a
+                    .chunks_mut(GROUP * MR * pairs)
+                    .take(grouped)
+                    .enumerate()
+                {
+                    // SAFETY: rows i0+g·GROUP·MR.. (GROUP·MR of them) and columns k0..k0+kc are
+                    // inside A.
+                    #[cfg(target_arch = "x86_64")]
+                    unsafe {
+                        let origin = a.ptr.add(i0 + g * GROUP * MR + k0 * a.col_stride);
+                        x86::pack_column_group(origin, a.col_stride, pairs, out)
+                    };
+                }
+                let chunks = packed_a.chunks_mut(MR * pairs).enumerate();
+                for (p, out) in chunks.skip(grouped * GROUP) {
                     let rows = MR.min(mc - p * MR);
                     if !direct(rows) {
                         // SAFETY: rows i0+p·MR.. and columns k0..k0+kc are inside A.
@@ -315,7 +343,7 @@ unsafe fn pack_b(b: Matrix, k0: usize, kc: usize, j0: usize, cols: usize, out: &
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::{MR, NR, NV};
+    use super::{GROUP, MR, NR, NV};
     use std::arch::x86_64::*;
 
     /// `pack_a` for an `A` stored transposed: pair `p` of the panel's `rows` rows is the first
@@ -350,6 +378,60 @@ mod x86 {
                     _mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(c1)),
                 );
                 _mm512_mask_storeu_epi32(out.as_mut_ptr().add(p * MR).cast(), mask, lanes);
+            }
+        }
+    }
+
+    /// `pack_a` for `GROUP` full panels of an `A` stored transposed: per pair, the 48 rows of
+    /// columns `2p` and `2p + 1` are three loads each, widened and interleaved into three
+    /// vectors of lanes `c0[r] | c1[r] << 16`, from which each panel's `MR` lanes are picked by
+    /// one two-source permute and stored.
+    ///
+    /// # Safety
+    ///
+    /// AVX-512 F and BW present; `origin` addresses `2·pairs` columns, `col_stride` apart, of
+    /// at least `GROUP · MR` elements; `out` holds `GROUP · pairs · MR` lanes.
+    #[target_feature(enable = "avx512f,avx512bw")]
+    pub unsafe fn pack_column_group(
+        origin: *const u16,
+        col_stride: usize,
+        pairs: usize,
+        out: &mut [u32],
+    ) {
+        const { assert!(GROUP * MR == 48 && MR <= 16) };
+        let panel = pairs * MR;
+        assert!(out.len() >= GROUP * panel);
+        // Panel k's lanes are lanes 6k.. of the three vectors: vector ⌊6k/16⌋ from lane 6k mod
+        // 16, running into the next one where they cross.
+        let picks: [(usize, __m512i); GROUP] = std::array::from_fn(|k| {
+            let first = k * MR;
+            let lanes: [i32; 16] = std::array::from_fn(|l| ((first % 16) + l) as i32);
+            // SAFETY: 16 lanes read from an array of 16.
+            (first / 16, unsafe {
+                _mm512_loadu_si512(lanes.as_ptr().cast())
+            })
+        });
+        let mask = ((1u32 << MR) - 1) as u16;
+        for p in 0..pairs {
+            // SAFETY: the caller's contract.
+            unsafe {
+                let (c0, c1) = (
+                    origin.add(2 * p * col_stride),
+                    origin.add((2 * p + 1) * col_stride),
+                );
+                let v: [__m512i; 4] = std::array::from_fn(|i| {
+                    if i == 3 {
+                        return _mm512_setzero_si512();
+                    }
+                    let lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(c0.add(16 * i).cast()));
+                    let hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256(c1.add(16 * i).cast()));
+                    _mm512_or_si512(lo, _mm512_slli_epi32::<16>(hi))
+                });
+                for (k, &(vi, pick)) in picks.iter().enumerate() {
+                    let lanes = _mm512_permutex2var_epi32(v[vi], pick, v[vi + 1]);
+                    let dst = out.as_mut_ptr().add(k * panel + p * MR);
+                    _mm512_mask_storeu_epi32(dst.cast(), mask, lanes);
+                }
             }
         }
     }
@@ -634,6 +716,7 @@ mod tests {
             (25, 65, 513),
             (97, 40, 300),
             (200, 70, 1),
+            (200, 64, 130),
             (30, 40, 2051),
         ] {
             for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
