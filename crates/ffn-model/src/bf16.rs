@@ -144,7 +144,10 @@ pub unsafe fn gemm(m: usize, n: usize, k: usize, a: Matrix, b: Matrix, c: *mut f
             // kernel reads each row in order). Other panels are packed into this thread's
             // buffer, kept from one block to the next: `pack_a` writes every lane of it, so what
             // a block leaves behind is never read.
-            let direct = |rows: usize| a.col_stride == 1 && kc.is_multiple_of(2) && rows == MR;
+            // With an odd `kc` the last pair (`a[i][k0 + kc - 1]`, 0) is packed on its own and
+            // run as a second, one-pair pass over the tile.
+            let direct = |rows: usize| a.col_stride == 1 && rows == MR;
+            let odd = !kc.is_multiple_of(2);
             PACKED_A.with_borrow_mut(|buffer| {
                 let len = mc.div_ceil(MR) * MR * pairs;
                 if buffer.len() < len {
@@ -182,6 +185,9 @@ pub unsafe fn gemm(m: usize, n: usize, k: usize, a: Matrix, b: Matrix, c: *mut f
                     if !direct(rows) {
                         // SAFETY: rows i0+p·MR.. and columns k0..k0+kc are inside A.
                         unsafe { pack_a(a, i0 + p * MR, rows, k0, kc, out) };
+                    } else if odd {
+                        // SAFETY: rows i0+p·MR.. (MR of them) and column k0+kc-1 are inside A.
+                        unsafe { pack_a(a, i0 + p * MR, rows, k0 + kc - 1, 1, out) };
                     }
                 }
                 for (jp, panel_b) in packed_b.chunks(NR * pairs).enumerate() {
@@ -202,10 +208,22 @@ pub unsafe fn gemm(m: usize, n: usize, k: usize, a: Matrix, b: Matrix, c: *mut f
                         // SAFETY: the tile (i.., j0..) of rows × cols is inside C, and tiles of
                         // different threads are disjoint (different rows); the panel's lanes
                         // are inside A or the packed buffer.
+                        #[cfg(target_arch = "x86_64")]
                         unsafe {
                             let tile = (c.0 as *mut f32).add(i * n + j0);
-                            #[cfg(target_arch = "x86_64")]
-                            x86::tile(panel, panel_b, pairs, tile, n, rows, cols, accumulate);
+                            if direct(rows) && odd {
+                                let full = pairs - 1;
+                                x86::tile(panel, panel_b, full, tile, n, rows, cols, accumulate);
+                                let last = x86::Panel {
+                                    start: panel_a.as_ptr() as *const u8,
+                                    row: 4,
+                                    pair: 4 * MR,
+                                };
+                                let b = &panel_b[full * NR..];
+                                x86::tile(last, b, 1, tile, n, rows, cols, true);
+                            } else {
+                                x86::tile(panel, panel_b, pairs, tile, n, rows, cols, accumulate);
+                            }
                         }
                     }
                 }
