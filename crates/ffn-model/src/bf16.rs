@@ -122,7 +122,14 @@ pub unsafe fn gemm(m: usize, n: usize, k: usize, a: Matrix, b: Matrix, c: *mut f
     let threads = rayon::current_num_threads().max(1);
     let blocks = m.div_ceil(M_BLOCK).next_multiple_of(threads);
     let m_block = m.div_ceil(blocks).next_multiple_of(MR);
-    let mut packed_b = vec![0u32; panels * NR * K_BLOCK.div_ceil(2)];
+    // This thread's buffer for the packed `B`, kept from one call to the next (a product called
+    // while another runs on this thread, as rayon may do, makes its own): `pack_b` writes every
+    // lane of it that the tiles read.
+    let mut packed_b = PACKED_B.take();
+    let len = panels * NR * k.min(K_BLOCK).div_ceil(2);
+    if packed_b.len() < len {
+        packed_b.resize(len, 0);
+    }
     for k0 in (0..k).step_by(K_BLOCK) {
         let kc = K_BLOCK.min(k - k0);
         let pairs = kc.div_ceil(2);
@@ -156,31 +163,26 @@ pub unsafe fn gemm(m: usize, n: usize, k: usize, a: Matrix, b: Matrix, c: *mut f
                 let packed_a = &mut buffer[..len];
                 // A stored transposed (`Xᵀ` in `dW = Xᵀ·dY`), an even number of its columns:
                 // GROUP panels at once, each of its columns read whole (not MR elements of it
-                // per panel). The panels left over are packed one by one below.
-                let grouped = if cfg!(target_arch = "x86_64")
+                // per panel), the last group as many panels as are left.
+                let grouped = cfg!(target_arch = "x86_64")
                     && a.row_stride == 1
                     && a.col_stride != 1
-                    && kc.is_multiple_of(2)
-                {
-                    mc / (GROUP * MR)
-                } else {
-                    0
-                };
-                for (g, out) in packed_a
-                    .chunks_mut(GROUP * MR * pairs)
-                    .take(grouped)
-                    .enumerate()
-                {
-                    // SAFETY: rows i0+g·GROUP·MR.. (GROUP·MR of them) and columns k0..k0+kc are
-                    // inside A.
-                    #[cfg(target_arch = "x86_64")]
-                    unsafe {
-                        let origin = a.ptr.add(i0 + g * GROUP * MR + k0 * a.col_stride);
-                        x86::pack_column_group(origin, a.col_stride, pairs, out)
-                    };
+                    && kc.is_multiple_of(2);
+                if grouped {
+                    for (g, out) in packed_a.chunks_mut(GROUP * MR * pairs).enumerate() {
+                        let first = g * GROUP * MR;
+                        let rows = (GROUP * MR).min(mc - first);
+                        // SAFETY: rows i0+first.. (`rows` of them) and columns k0..k0+kc are
+                        // inside A; `out` holds their panels.
+                        #[cfg(target_arch = "x86_64")]
+                        unsafe {
+                            let origin = a.ptr.add(i0 + first + k0 * a.col_stride);
+                            x86::pack_column_group(origin, a.col_stride, rows, pairs, out)
+                        };
+                    }
                 }
                 let chunks = packed_a.chunks_mut(MR * pairs).enumerate();
-                for (p, out) in chunks.skip(grouped * GROUP) {
+                for (p, out) in chunks.filter(|_| !grouped) {
                     let rows = MR.min(mc - p * MR);
                     if !direct(rows) {
                         // SAFETY: rows i0+p·MR.. and columns k0..k0+kc are inside A.
@@ -230,9 +232,12 @@ pub unsafe fn gemm(m: usize, n: usize, k: usize, a: Matrix, b: Matrix, c: *mut f
             });
         });
     }
+    PACKED_B.set(packed_b);
 }
 
 thread_local! {
+    /// Each thread's buffer for a packed `B` (at most `n × K_BLOCK` bf16).
+    static PACKED_B: std::cell::Cell<Vec<u32>> = const { std::cell::Cell::new(Vec::new()) };
     /// Each thread's buffer for packed panels of `A` (at most `M_BLOCK × K_BLOCK` bf16).
     static PACKED_A: std::cell::RefCell<Vec<u32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
@@ -400,25 +405,27 @@ mod x86 {
         }
     }
 
-    /// `pack_a` for `GROUP` full panels of an `A` stored transposed: per pair, the 48 rows of
-    /// columns `2p` and `2p + 1` are three loads each, widened and interleaved into three
-    /// vectors of lanes `c0[r] | c1[r] << 16`, from which each panel's `MR` lanes are picked by
-    /// one two-source permute and stored.
+    /// `pack_a` for up to `GROUP` panels of an `A` stored transposed (`rows ≤ GROUP · MR` of
+    /// its rows): per pair, the rows of columns `2p` and `2p + 1` are three masked loads each
+    /// (zero past `rows`), widened and interleaved into three vectors of lanes
+    /// `c0[r] | c1[r] << 16`, from which each panel's `MR` lanes are picked by one two-source
+    /// permute and stored; the rows of the last panel past `rows` are zero.
     ///
     /// # Safety
     ///
     /// AVX-512 F and BW present; `origin` addresses `2·pairs` columns, `col_stride` apart, of
-    /// at least `GROUP · MR` elements; `out` holds `GROUP · pairs · MR` lanes.
-    #[target_feature(enable = "avx512f,avx512bw")]
+    /// at least `rows` elements; `out` holds `⌈rows / MR⌉ · pairs · MR` lanes.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
     pub unsafe fn pack_column_group(
         origin: *const u16,
         col_stride: usize,
+        rows: usize,
         pairs: usize,
         out: &mut [u32],
     ) {
         const { assert!(GROUP * MR == 48 && MR <= 16) };
-        let panel = pairs * MR;
-        assert!(out.len() >= GROUP * panel);
+        let (panel, panels) = (pairs * MR, rows.div_ceil(MR));
+        assert!(rows <= GROUP * MR && out.len() >= panels * panel);
         // Panel k's lanes are lanes 6k.. of the three vectors: vector ⌊6k/16⌋ from lane 6k mod
         // 16, running into the next one where they cross.
         let picks: [(usize, __m512i); GROUP] = std::array::from_fn(|k| {
@@ -429,9 +436,12 @@ mod x86 {
                 _mm512_loadu_si512(lanes.as_ptr().cast())
             })
         });
-        let mask = ((1u32 << MR) - 1) as u16;
+        // The rows of vector i that are inside A.
+        let masks: [u16; 3] =
+            std::array::from_fn(|i| ((1u32 << rows.saturating_sub(16 * i).min(16)) - 1) as u16);
+        let store = ((1u32 << MR) - 1) as u16;
         for p in 0..pairs {
-            // SAFETY: the caller's contract.
+            // SAFETY: the caller's contract; masked lanes are neither read nor written.
             unsafe {
                 let (c0, c1) = (
                     origin.add(2 * p * col_stride),
@@ -441,14 +451,18 @@ mod x86 {
                     if i == 3 {
                         return _mm512_setzero_si512();
                     }
-                    let lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(c0.add(16 * i).cast()));
-                    let hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256(c1.add(16 * i).cast()));
-                    _mm512_or_si512(lo, _mm512_slli_epi32::<16>(hi))
+                    let load = |c: *const u16| {
+                        _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(
+                            masks[i],
+                            c.add(16 * i).cast(),
+                        ))
+                    };
+                    _mm512_or_si512(load(c0), _mm512_slli_epi32::<16>(load(c1)))
                 });
-                for (k, &(vi, pick)) in picks.iter().enumerate() {
+                for (k, &(vi, pick)) in picks.iter().enumerate().take(panels) {
                     let lanes = _mm512_permutex2var_epi32(v[vi], pick, v[vi + 1]);
                     let dst = out.as_mut_ptr().add(k * panel + p * MR);
-                    _mm512_mask_storeu_epi32(dst.cast(), mask, lanes);
+                    _mm512_mask_storeu_epi32(dst.cast(), store, lanes);
                 }
             }
         }
