@@ -187,11 +187,15 @@ fn every_backend_computes_the_same_outputs_and_gradients() {
 }
 
 /// `precision = "bf16"` on every backend, against Flex's: Flex rounds the products' operands to
-/// bf16 (on its bf16 kernel or the widening fallback), NdArray (no bf16 tensors) and CubeCL
-/// backends compute in f32 (documented). Either way within bf16's rounding of Flex's (2⁻⁶ of
-/// each tensor's scale: see the op's own test), and never a panic.
+/// bf16 (on its bf16 kernel or the widening fallback); a GPU to bf16 or f16, whichever it
+/// computes in (wgpu on Mesa lavapipe: f16, `shader-f16`); NdArray (no bf16 tensors) computes
+/// in f32 (documented: `Precision::operands_on`). Either way within bf16's rounding of Flex's
+/// (2⁻⁶ of each tensor's scale: see the op's own test), and never a panic. Where the operands
+/// are narrower than f32 the run is visibly not the f32 run (more than 1e-5 apart); where they
+/// are f32 it is the f32 run.
 #[test]
 fn every_backend_runs_bf16_configs() {
+    use ffn::model::Precision;
     let reference_device = Device::flex().autodiff();
     for config in [
         FeedForwardConfig::preset(Variant::GeGlu, D_MODEL).with_bias_up(true),
@@ -200,27 +204,39 @@ fn every_backend_runs_bf16_configs() {
             .with_memory(Memory::Recompute),
     ] {
         let bias_gate = config.gated && config.bias_up;
-        let config = config
-            .with_bias_gate(bias_gate)
-            .with_precision(ffn::model::Precision::Bf16);
+        let config = config.with_bias_gate(bias_gate);
         let (weights, x) = draw(&config, &reference_device);
-        let on = |device: &Device| {
+        let on = |device: &Device, precision: Precision| {
             let device = device.clone().autodiff();
             let ffn = config
+                .clone()
+                .with_precision(precision)
                 .init(&device)
                 .load_safetensors_bytes(&weights)
                 .unwrap();
             run(&ffn, x.clone(), DType::F32, &device, false)
         };
-        let expected = on(&Device::flex());
+        let expected = on(&Device::flex(), Precision::Bf16);
         for (backend, device, _) in backends() {
-            for (what, values) in on(&device) {
-                let reference = &expected[&what];
-                let error = relative_error(&values, reference);
+            let (bf16, f32) = (on(&device, Precision::Bf16), on(&device, Precision::F32));
+            let narrow = Precision::Bf16.operands_on(&device) != DType::F32;
+            for (what, values) in &bf16 {
+                let error = relative_error(values, &expected[what]);
                 assert!(
                     error <= 2f64.powi(-6),
                     "{backend} {}: {what} off by {error:e}",
                     config.activation
+                );
+                let from_f32 = relative_error(values, &f32[what]);
+                assert!(
+                    if narrow {
+                        from_f32 > 1e-5
+                    } else {
+                        from_f32 == 0.0
+                    },
+                    "{backend} {}: {what} {from_f32:e} from the f32 run (operands {:?})",
+                    config.activation,
+                    Precision::Bf16.operands_on(&device)
                 );
             }
         }
@@ -301,6 +317,56 @@ fn every_backend_computes_the_same_moe() {
                     "{backend} MoE config {i}: {what} off by {error:e} (tolerance {tolerance:e})"
                 );
             }
+        }
+    }
+}
+
+/// A bf16 mixture of experts on every backend (the grouped op's products in the type
+/// `Precision::operands_on` gives: bf16 on Flex, f16 on lavapipe, f32 on NdArray), against
+/// Flex's: within bf16's rounding (2⁻⁶ of each tensor's scale), the router's gradient included.
+#[test]
+fn every_backend_runs_a_bf16_moe() {
+    use ffn::model::{MoeConfig, Precision};
+    let reference_device = Device::flex().autodiff();
+    let expert =
+        FeedForwardConfig::preset(Variant::SwiGlu, D_MODEL).with_precision(Precision::Bf16);
+    let config = MoeConfig::new(expert, 4, 2);
+    reference_device.seed(7);
+    let moe = config.init(&reference_device);
+    let x = Tensor::<3>::random(
+        [3, 7, D_MODEL],
+        Distribution::Normal(0.0, 1.0),
+        &reference_device,
+    )
+    .into_data();
+    let run = |device: &Device| {
+        let moe = moe.clone().map(&mut Move(device.clone()));
+        let device = device.clone().autodiff();
+        let x = Tensor::<3>::from_data(x.clone(), (&device, DType::F32)).require_grad();
+        let y = moe.forward(x.clone()).output;
+        let grads = (y.clone() * y.clone()).sum().backward();
+        let host = |t: TensorData| t.iter::<f64>().collect::<Vec<f64>>();
+        [
+            ("y", host(y.into_data())),
+            ("dx", host(x.grad(&grads).unwrap().into_data())),
+            (
+                "drouter",
+                host(moe.router().weight.val().grad(&grads).unwrap().into_data()),
+            ),
+            (
+                "dw_down",
+                host(moe.w_down().val().grad(&grads).unwrap().into_data()),
+            ),
+        ]
+    };
+    let expected = run(&Device::flex());
+    for (backend, device, _) in backends() {
+        for ((what, a), (_, b)) in run(&device).iter().zip(&expected) {
+            let error = relative_error(a, b);
+            assert!(
+                error <= 2f64.powi(-6),
+                "{backend} bf16 MoE: {what} off by {error:e}"
+            );
         }
     }
 }

@@ -14,8 +14,9 @@
 //! are made once, in the forward pass, and kept for the backward pass (half the memory of `x`).
 //! In [`Precision::F32`] nothing is rounded and this is burn's `Linear::forward`. The products
 //! run on the backend's [`Kernels`]: the `avx512_bf16` GEMM on Flex where the CPU has it, else
-//! the f32 product of the rounded operands (the same function); NdArray and CubeCL backends
-//! compute bf16 in f32, as the FFN op does.
+//! the f32 product of the rounded operands (the same function); on a GPU in the type the device
+//! computes in (`Precision::operands_on`: bf16, f16 or f32) and on NdArray in f32, as the FFN op
+//! does.
 
 use burn::backend::autodiff::Autodiff;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;

@@ -248,13 +248,13 @@ impl FeedForward {
     /// see [`Precision`]) `bf16(x) bf16(W) + b`, the rounding transparent to the gradient (a
     /// straight-through `t + (bf16(t) − t)`, with the difference detached: exact in f32).
     fn linear<const D: usize>(&self, layer: &Linear, x: Tensor<D>) -> Tensor<D> {
-        let f32 = x.dtype() == burn::tensor::DType::F32;
-        if self.precision == Precision::F32 || !f32 || !op::rounds_bf16(&x.device()) {
+        let dtype = self.precision.operands_on(&x.device());
+        if x.dtype() != burn::tensor::DType::F32 || dtype == burn::tensor::DType::F32 {
             return layer.forward(x);
         }
-        let weight = op::straight_through_bf16(layer.weight.val());
+        let weight = op::straight_through(layer.weight.val(), dtype);
         let bias = layer.bias.as_ref().map(|b| b.val());
-        burn::tensor::module::linear(op::straight_through_bf16(x), weight, bias)
+        burn::tensor::module::linear(op::straight_through(x, dtype), weight, bias)
     }
 
     /// Dropout's mask `m / (1 − p)` for a tensor of `shape` on `x`'s device, where dropout is

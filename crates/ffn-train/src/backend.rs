@@ -76,7 +76,9 @@ pub fn describe(device: &Device) -> String {
 }
 
 /// What the device's matrix products run on: on Flex, the kernel [`ffn_model::cpu_kernels`]
-/// chose and the CPU; elsewhere the device itself ([`describe`]).
+/// chose and the CPU; elsewhere the device itself ([`describe`]) and the type a bf16 run's
+/// products take there ([`ffn_model::Precision::operands_on`]: f16 on a GPU without bf16, f32
+/// where there is neither).
 pub fn kernels(device: &Device) -> String {
     #[cfg(feature = "flex")]
     if matches!(
@@ -85,7 +87,12 @@ pub fn kernels(device: &Device) -> String {
     ) {
         return ffn_model::cpu_kernels().to_string();
     }
-    describe(device)
+    let bf16 = match ffn_model::Precision::Bf16.operands_on(device) {
+        burn::tensor::DType::BF16 => "bf16 operands",
+        burn::tensor::DType::F16 => "f16 operands (this device computes in f16, not bf16)",
+        _ => "f32 (this device computes in neither bf16 nor f16)",
+    };
+    format!("{}; bf16: {bf16}", describe(device))
 }
 
 /// The wgpu device, initialised once per process (burn's runtime cannot be initialised twice):

@@ -37,7 +37,7 @@ use burn::tensor::{DType, Tensor};
 use crate::op::backward::{Need, Present, backward_pass, untrack};
 use crate::op::{
     Kernels, Maybe, Spec, Weights, inference, operand, project_in, project_out_chunked,
-    rounds_bf16, straight_through_bf16,
+    straight_through,
 };
 
 /// Rows per expert: expert `e`'s rows follow those of experts `0..e`.
@@ -414,10 +414,8 @@ pub(crate) fn experts_composed(
     spec: Spec,
 ) -> Tensor<2> {
     let d_model = w.w_down.dims()[2];
-    let round = spec.precision == crate::Precision::Bf16
-        && x.dtype() == DType::F32
-        && rounds_bf16(&x.device());
-    let operand = |t: Tensor<2>| if round { straight_through_bf16(t) } else { t };
+    let dtype = spec.precision.operands_on(&x.device());
+    let operand = |t: Tensor<2>| straight_through(t, dtype);
     let mut start = 0;
     let mut parts = Vec::new();
     for (e, &n) in groups.iter().enumerate() {

@@ -74,9 +74,13 @@ pub enum Memory {
 ///
 /// On Flex a CPU with `avx512_bf16` runs the products on a bf16 kernel (about twice the f32
 /// SGEMM's speed); any other CPU widens the rounded operands to f32 and runs the f32 product:
-/// the same function at f32 speed. NdArray (which has no bf16 tensors) and the CubeCL backends
-/// (wgpu, CUDA) compute in f32 for now: a bf16 config runs there, as f32. An f64 network
-/// computes in f64 whatever its precision.
+/// the same function at f32 speed. On a GPU (the CubeCL backends) the operands are bf16 where
+/// the device computes in bf16 (CUDA), else f16 where it computes in f16 (wgpu on an adapter
+/// with `shader-f16`: a 10-bit mantissa and a range of ±65504), else f32; there the products'
+/// outputs come out of burn's matmul in that type too (as under PyTorch's autocast) and are
+/// widened to f32. NdArray, which has no bf16 tensors, computes in f32.
+/// [`operands_on`](Self::operands_on) says which applies to a device. An f64 network computes
+/// in f64 whatever its precision.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Precision {
@@ -86,6 +90,51 @@ pub enum Precision {
     /// bf16 operands, f32 sums.
     #[serde(alias = "bfloat16")]
     Bf16,
+}
+
+impl Precision {
+    /// The type the matrix products' operands of an f32 network take on `device` in this
+    /// precision: f32 for [`Precision::F32`]; for [`Precision::Bf16`], bf16 on Flex and on GPUs
+    /// that compute in bf16 (CUDA), f16 on GPUs that compute in f16 but not bf16 (wgpu with
+    /// `shader-f16`), f32 where there is neither (NdArray, wgpu without `shader-f16`).
+    ///
+    /// ```
+    /// # #[cfg(feature = "flex")] {
+    /// use burn::tensor::{DType, Device};
+    /// use ffn_model::Precision;
+    ///
+    /// let cpu = Device::flex();
+    /// assert_eq!(Precision::Bf16.operands_on(&cpu), DType::BF16);
+    /// assert_eq!(Precision::F32.operands_on(&cpu), DType::F32);
+    /// # }
+    /// ```
+    pub fn operands_on(self, device: &burn::tensor::Device) -> DType {
+        use burn::backend::DispatchDevice;
+        if self == Precision::F32 {
+            return DType::F32;
+        }
+        match device.clone().without_autodiff().as_dispatch() {
+            #[cfg(feature = "flex")]
+            DispatchDevice::Flex(_) => DType::BF16,
+            #[cfg(feature = "cube")]
+            DispatchDevice::Cube(device) => cube_operands(device),
+            #[allow(unreachable_patterns)]
+            _ => DType::F32,
+        }
+    }
+}
+
+/// The narrower float a CubeCL device computes in: bf16, else f16, else f32.
+#[cfg(feature = "cube")]
+fn cube_operands(device: &<burn::backend::Cube as burn::backend::BackendTypes>::Device) -> DType {
+    use burn::backend::Cube;
+    if Cube::supports_dtype(device, DType::BF16) {
+        DType::BF16
+    } else if Cube::supports_dtype(device, DType::F16) {
+        DType::F16
+    } else {
+        DType::F32
+    }
 }
 
 /// How the op is to compute: the activation, gating, layout, memory mode and precision.
@@ -246,12 +295,28 @@ impl Kernels for burn::backend::NdArray {
         t
     }
 }
-/// CubeCL backends compute [`Precision::Bf16`] in f32 for now: wgpu has no bf16 arithmetic
-/// (WGSL), and the operands are left as they are.
+/// CubeCL backends round [`Precision::Bf16`]'s operands to the narrower type the device
+/// computes in ([`Precision::operands_on`]: bf16 on CUDA; f16 on wgpu with `shader-f16`, since
+/// WGSL has no bf16), or leave them in f32 where there is none. burn's matmul of two bf16 (f16)
+/// operands sums in f32 and returns bf16 (f16): its output is widened to f32.
 #[cfg(feature = "cube")]
 impl Kernels for burn::backend::Cube {
     fn ffn_bf16(t: FloatTensor<Self>) -> FloatTensor<Self> {
-        t
+        use burn::backend::ops::FloatTensorOps;
+        match cube_operands(&t.device()) {
+            DType::BF16 => Self::float_cast(t, FloatDType::BF16),
+            DType::F16 => Self::float_cast(t, FloatDType::F16),
+            _ => t,
+        }
+    }
+
+    fn ffn_matmul(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
+        use burn::backend::ops::FloatTensorOps;
+        let narrow = |t: &FloatTensor<Self>| matches!(t.dtype(), DType::BF16 | DType::F16);
+        if narrow(&lhs) && lhs.dtype() == rhs.dtype() {
+            return Self::float_cast(Self::float_matmul(lhs, rhs), FloatDType::F32);
+        }
+        Self::float_matmul(lhs, rhs)
     }
 }
 
@@ -520,26 +585,19 @@ pub fn supported(device: &burn::tensor::Device) -> bool {
     }
 }
 
-/// `t` rounded to bf16 and back, the rounding transparent to the gradient: the straight-through
-/// `t + (bf16(t) − t)`, with the difference detached (exact in f32). The composed networks'
-/// operands in [`Precision::Bf16`].
-pub(crate) fn straight_through_bf16<const D: usize>(
+/// `t` rounded to `dtype` (bf16 or f16) and back, the rounding transparent to the gradient: the
+/// straight-through `t + (r(t) − t)`, with the difference detached (exact in f32). The composed
+/// networks' operands in [`Precision::Bf16`], `dtype` being [`Precision::operands_on`] the
+/// device; `t` itself where that is `t`'s own type (f32, or an f64 network).
+pub(crate) fn straight_through<const D: usize>(
     t: burn::tensor::Tensor<D>,
+    dtype: DType,
 ) -> burn::tensor::Tensor<D> {
-    let rounded = t.clone().cast(DType::BF16).cast(t.dtype());
-    t.clone() + (rounded - t).detach()
-}
-
-/// Whether [`Precision::Bf16`] rounds the operands on `device`: on Flex; NdArray (no bf16
-/// tensors) and CubeCL backends compute it in f32 for now (see their [`Kernels`]).
-pub(crate) fn rounds_bf16(device: &burn::tensor::Device) -> bool {
-    use burn::backend::DispatchDevice;
-    match device.clone().without_autodiff().as_dispatch() {
-        #[cfg(feature = "flex")]
-        DispatchDevice::Flex(_) => true,
-        #[allow(unreachable_patterns)]
-        _ => false,
+    if t.dtype() != DType::F32 || dtype == DType::F32 {
+        return t;
     }
+    let rounded = t.clone().cast(dtype).cast(t.dtype());
+    t.clone() + (rounded - t).detach()
 }
 
 /// `y = FFN(x)` through the op, for `x: [T, d_model]` on a [`supported`] device.

@@ -697,6 +697,44 @@ fn trains_on_wgpu() {
     // And it resumes on the same device.
     let out = ffn_train(&["eval", "run", "--device", "wgpu"], &dir);
     assert!(out.status.success(), "{}", stderr(&out));
+
+    // In bf16 the products take the narrower type the adapter computes in (lavapipe: f16, as
+    // wgpu has no bf16; `parity.rs` checks that they do), and the header and the summary say
+    // which.
+    let out = ffn_train(
+        &[
+            "train",
+            "--config",
+            config.to_str().unwrap(),
+            "--run",
+            "bf16",
+            "--device",
+            "wgpu",
+            "--set",
+            "train.steps=60",
+            "--set",
+            "train.eval_every=30",
+            "--set",
+            "train.precision=bf16",
+        ],
+        &dir,
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    let summary = ffn_train::metrics::read_summary(&dir.join("bf16")).unwrap();
+    let said = [
+        "; bf16: bf16 operands",
+        "; bf16: f16 operands",
+        "; bf16: f32 (",
+    ];
+    assert!(
+        said.iter().any(|s| summary.kernels.contains(s)),
+        "{}",
+        summary.kernels
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains(&summary.kernels), "{text}");
+    let valid = summary.final_valid_loss.unwrap();
+    assert!(valid.is_finite() && valid < 0.5, "{valid}");
 }
 
 /// Without any GPU driver (here: the Vulkan and GL loaders replaced by empty files), `--device
