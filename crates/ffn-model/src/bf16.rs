@@ -124,7 +124,7 @@ pub unsafe fn gemm(m: usize, n: usize, k: usize, a: Matrix, b: Matrix, c: *mut f
     let m_block = m.div_ceil(blocks).next_multiple_of(MR);
     // This thread's buffer for the packed `B`, kept from one call to the next (a product called
     // while another runs on this thread, as rayon may do, makes its own): `pack_b` writes every
-    // lane of it that the tiles read.
+    // lane of it that the tiles read, so what an earlier call left is never read.
     let mut packed_b = PACKED_B.take();
     let len = panels * NR * k.min(K_BLOCK).div_ceil(2);
     if packed_b.len() < len {
@@ -146,13 +146,12 @@ pub unsafe fn gemm(m: usize, n: usize, k: usize, a: Matrix, b: Matrix, c: *mut f
         (0..m.div_ceil(m_block)).into_par_iter().for_each(|block| {
             let i0 = block * m_block;
             let mc = m_block.min(m - i0);
-            // A row-major `A` (an even number of its columns in this block) is read where it
-            // is: its pairs are already adjacent, so a full panel of MR rows needs no copy (the
-            // kernel reads each row in order). Other panels are packed into this thread's
+            // A row-major `A` is read where it is: its pairs are already adjacent, so a full
+            // panel of MR rows needs no copy (the kernel reads each row in order); with an odd
+            // `kc` the last pair (`a[i][k0 + kc - 1]`, 0) is packed on its own and run as a
+            // second, one-pair pass over the tile. Other panels are packed into this thread's
             // buffer, kept from one block to the next: `pack_a` writes every lane of it, so what
             // a block leaves behind is never read.
-            // With an odd `kc` the last pair (`a[i][k0 + kc - 1]`, 0) is packed on its own and
-            // run as a second, one-pair pass over the tile.
             let direct = |rows: usize| a.col_stride == 1 && rows == MR;
             let odd = !kc.is_multiple_of(2);
             PACKED_A.with_borrow_mut(|buffer| {
@@ -206,6 +205,7 @@ pub unsafe fn gemm(m: usize, n: usize, k: usize, a: Matrix, b: Matrix, c: *mut f
                         } else {
                             (panel_a.as_ptr() as *const u8, 4, 4 * MR)
                         };
+                        #[cfg(target_arch = "x86_64")]
                         let panel = x86::Panel { start, row, pair };
                         // SAFETY: the tile (i.., j0..) of rows × cols is inside C, and tiles of
                         // different threads are disjoint (different rows); the panel's lanes
@@ -232,7 +232,11 @@ pub unsafe fn gemm(m: usize, n: usize, k: usize, a: Matrix, b: Matrix, c: *mut f
             });
         });
     }
-    PACKED_B.set(packed_b);
+    // Kept up to 16 MiB (an FFN's `B`: 4 MiB at d_ff 2048); a larger one (a vocabulary head's
+    // weights) is freed.
+    if packed_b.capacity() <= (16 << 20) / 4 {
+        PACKED_B.set(packed_b);
+    }
 }
 
 thread_local! {
