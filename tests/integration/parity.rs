@@ -263,52 +263,14 @@ fn every_backend_computes_the_same_moe() {
             .with_shared_experts(1, None, false),
         MoeConfig::new(FeedForwardConfig::preset(Variant::FfnGelu, D_MODEL), 3, 1),
     ];
-    let run = |moe: &ffn::Moe, x: TensorData, dtype: DType, device: &Device, composed: bool| {
-        let x = Tensor::<3>::from_data(x, (device, dtype)).require_grad();
-        let out = if composed {
-            moe.forward_composed(x.clone())
-        } else {
-            moe.forward(x.clone())
-        };
-        let y = out.output;
-        let grads = (y.clone() * y.clone()).sum().backward();
-        let host = |t: TensorData| t.iter::<f64>().collect::<Vec<f64>>();
-        let mut all = vec![
-            ("y", host(y.into_data())),
-            ("dx", host(x.grad(&grads).unwrap().into_data())),
-            (
-                "drouter",
-                host(moe.router().weight.val().grad(&grads).unwrap().into_data()),
-            ),
-            (
-                "dw_up",
-                host(moe.w_up().val().grad(&grads).unwrap().into_data()),
-            ),
-            (
-                "dw_down",
-                host(moe.w_down().val().grad(&grads).unwrap().into_data()),
-            ),
-        ];
-        if let Some(w) = moe.w_gate() {
-            all.push(("dw_gate", host(w.val().grad(&grads).unwrap().into_data())));
-        }
-        all
-    };
     for (i, config) in configs.iter().enumerate() {
-        reference_device.seed(40 + i as u64);
-        let moe = config.init(&reference_device);
-        let x = Tensor::<3>::random(
-            [3, 7, D_MODEL],
-            Distribution::Normal(0.0, 1.0),
-            &reference_device,
-        )
-        .into_data();
+        let (moe, x) = moe_and_input(config, 40 + i as u64, &reference_device);
         let oracle = moe.clone().map(&mut Cast(DType::F64));
-        let expected = run(&oracle, x.clone(), DType::F64, &reference_device, true);
+        let expected = moe_run(&oracle, x.clone(), DType::F64, &reference_device, true);
         for (backend, device, tolerance) in &backends() {
             let moved = moe.clone().map(&mut Move(device.clone()));
             let device = device.clone().autodiff();
-            let actual = run(&moved, x.clone(), DType::F32, &device, false);
+            let actual = moe_run(&moved, x.clone(), DType::F32, &device, false);
             assert_eq!(actual.len(), expected.len());
             for ((what, a), (_, b)) in actual.iter().zip(&expected) {
                 let error = relative_error(a, b);
@@ -321,9 +283,58 @@ fn every_backend_computes_the_same_moe() {
     }
 }
 
+/// A mixture of experts from `config` and an input `[3, 7, d_model]`, drawn on `device` from
+/// `seed`.
+fn moe_and_input(config: &ffn::MoeConfig, seed: u64, device: &Device) -> (ffn::Moe, TensorData) {
+    device.seed(seed);
+    let moe = config.init(device);
+    let x = Tensor::<3>::random([3, 7, D_MODEL], Distribution::Normal(0.0, 1.0), device);
+    (moe, x.into_data())
+}
+
+/// The output of `moe` on `x` (as `dtype`, on the autodiff `device`; the composed layer or the
+/// grouped op) and the gradients of `L = Σ y²` with respect to `x`, the router and the experts.
+fn moe_run(
+    moe: &ffn::Moe,
+    x: TensorData,
+    dtype: DType,
+    device: &Device,
+    composed: bool,
+) -> Vec<(&'static str, Vec<f64>)> {
+    let x = Tensor::<3>::from_data(x, (device, dtype)).require_grad();
+    let out = if composed {
+        moe.forward_composed(x.clone())
+    } else {
+        moe.forward(x.clone())
+    };
+    let y = out.output;
+    let grads = (y.clone() * y.clone()).sum().backward();
+    let host = |t: TensorData| t.iter::<f64>().collect::<Vec<f64>>();
+    let mut all = vec![
+        ("y", host(y.into_data())),
+        ("dx", host(x.grad(&grads).unwrap().into_data())),
+        (
+            "drouter",
+            host(moe.router().weight.val().grad(&grads).unwrap().into_data()),
+        ),
+        (
+            "dw_up",
+            host(moe.w_up().val().grad(&grads).unwrap().into_data()),
+        ),
+        (
+            "dw_down",
+            host(moe.w_down().val().grad(&grads).unwrap().into_data()),
+        ),
+    ];
+    if let Some(w) = moe.w_gate() {
+        all.push(("dw_gate", host(w.val().grad(&grads).unwrap().into_data())));
+    }
+    all
+}
+
 /// A bf16 mixture of experts on every backend (the grouped op's products in the type
 /// `Precision::operands_on` gives: bf16 on Flex, f16 on lavapipe, f32 on NdArray), against
-/// Flex's: within bf16's rounding (2⁻⁶ of each tensor's scale), the router's gradient included.
+/// Flex's: within bf16's rounding (2⁻⁶ of each tensor's scale), every gradient included.
 #[test]
 fn every_backend_runs_a_bf16_moe() {
     use ffn::model::{MoeConfig, Precision};
@@ -331,33 +342,16 @@ fn every_backend_runs_a_bf16_moe() {
     let expert =
         FeedForwardConfig::preset(Variant::SwiGlu, D_MODEL).with_precision(Precision::Bf16);
     let config = MoeConfig::new(expert, 4, 2);
-    reference_device.seed(7);
-    let moe = config.init(&reference_device);
-    let x = Tensor::<3>::random(
-        [3, 7, D_MODEL],
-        Distribution::Normal(0.0, 1.0),
-        &reference_device,
-    )
-    .into_data();
+    let (moe, x) = moe_and_input(&config, 7, &reference_device);
     let run = |device: &Device| {
-        let moe = moe.clone().map(&mut Move(device.clone()));
-        let device = device.clone().autodiff();
-        let x = Tensor::<3>::from_data(x.clone(), (&device, DType::F32)).require_grad();
-        let y = moe.forward(x.clone()).output;
-        let grads = (y.clone() * y.clone()).sum().backward();
-        let host = |t: TensorData| t.iter::<f64>().collect::<Vec<f64>>();
-        [
-            ("y", host(y.into_data())),
-            ("dx", host(x.grad(&grads).unwrap().into_data())),
-            (
-                "drouter",
-                host(moe.router().weight.val().grad(&grads).unwrap().into_data()),
-            ),
-            (
-                "dw_down",
-                host(moe.w_down().val().grad(&grads).unwrap().into_data()),
-            ),
-        ]
+        let moved = moe.clone().map(&mut Move(device.clone()));
+        moe_run(
+            &moved,
+            x.clone(),
+            DType::F32,
+            &device.clone().autodiff(),
+            false,
+        )
     };
     let expected = run(&Device::flex());
     for (backend, device, _) in backends() {

@@ -665,24 +665,16 @@ fn walk(dir: &Path) -> Vec<PathBuf> {
 fn trains_on_wgpu() {
     let dir = scratch("cli-wgpu");
     let config = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs/teacher.toml");
-    let out = ffn_train(
-        &[
-            "train",
-            "--config",
-            config.to_str().unwrap(),
-            "--run",
-            "run",
-            "--device",
-            "wgpu",
-            "--set",
-            "train.steps=60",
-            "--set",
-            "train.eval_every=30",
-            "--set",
-            "train.checkpoint_every=30",
-        ],
-        &dir,
-    );
+    let train = |run: &str, set: &[&str]| {
+        let mut args = vec!["train", "--config", config.to_str().unwrap(), "--run", run];
+        args.extend(["--device", "wgpu", "--set", "train.steps=60"]);
+        args.extend(["--set", "train.eval_every=30"]);
+        for s in set {
+            args.extend(["--set", s]);
+        }
+        ffn_train(&args, &dir)
+    };
+    let out = train("run", &["train.checkpoint_every=30"]);
     assert!(out.status.success(), "{}", stderr(&out));
     let curve = losses(&dir.join("run"));
     let valid: Vec<f64> = curve
@@ -701,24 +693,7 @@ fn trains_on_wgpu() {
     // In bf16 the products take the narrower type the adapter computes in (lavapipe: f16, as
     // wgpu has no bf16; `parity.rs` checks that they do), and the header and the summary say
     // which.
-    let out = ffn_train(
-        &[
-            "train",
-            "--config",
-            config.to_str().unwrap(),
-            "--run",
-            "bf16",
-            "--device",
-            "wgpu",
-            "--set",
-            "train.steps=60",
-            "--set",
-            "train.eval_every=30",
-            "--set",
-            "train.precision=bf16",
-        ],
-        &dir,
-    );
+    let out = train("bf16", &["train.precision=bf16"]);
     assert!(out.status.success(), "{}", stderr(&out));
     let summary = ffn_train::metrics::read_summary(&dir.join("bf16")).unwrap();
     let said = [
