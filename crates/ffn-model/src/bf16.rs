@@ -106,16 +106,58 @@ pub fn available() -> bool {
 /// `a` and `b` must address matrices of those shapes, and `c` must point to `m · n` writable
 /// floats.
 pub unsafe fn gemm(m: usize, n: usize, k: usize, a: Matrix, b: Matrix, c: *mut f32) {
+    // SAFETY: the caller's contract.
+    unsafe { gemm_then(m, n, k, a, b, Some(c), &|_, _| {}) }
+}
+
+/// [`gemm`], then `then(rows, c)` on each block of rows of `C` as soon as it is complete, on the
+/// thread that computed it, while the block is still in its cache: `c` holds the block's rows
+/// (`rows.len() × n`, row-major). With `c = Some(ptr)` they are rows of that buffer (`then` may
+/// change them in place); with `None` each thread computes its blocks into a buffer of its own,
+/// and `C` is never whole in memory (`then` must take what it needs). This is how the FFN fuses
+/// its element-wise passes into the products they follow: no `[T, d_ff]` f32 pass through
+/// memory of its own. Blocks are disjoint and cover `0..m` once each. Panics unless
+/// [`available`].
+///
+/// # Safety
+///
+/// `a` and `b` must address matrices of those shapes, and `c`, when given, must point to `m · n`
+/// writable floats.
+pub unsafe fn gemm_then(
+    m: usize,
+    n: usize,
+    k: usize,
+    a: Matrix,
+    b: Matrix,
+    c: Option<*mut f32>,
+    then: &(dyn Fn(std::ops::Range<usize>, &mut [f32]) + Sync),
+) {
     assert!(available(), "bf16::gemm needs avx512_bf16");
     if m == 0 || n == 0 {
         return;
     }
-    let c = Ptr(c as usize);
+    // More than one K block with no `C` to sum into: a whole `C` after all.
+    let mut whole = Vec::new();
+    let c = match c {
+        Some(c) => Some(c),
+        None if k > K_BLOCK => {
+            whole.resize(m * n, 0.0f32);
+            Some(whole.as_mut_ptr())
+        }
+        None => None,
+    };
     if k == 0 {
-        // SAFETY: the caller's contract.
-        unsafe { std::ptr::write_bytes(c.0 as *mut f32, 0, m * n) };
+        let mut zeros = vec![0.0f32; m * n];
+        let c = c.map_or(zeros.as_mut_ptr(), |c| {
+            // SAFETY: the caller's contract.
+            unsafe { std::ptr::write_bytes(c, 0, m * n) };
+            c
+        });
+        // SAFETY: m·n floats, written above.
+        then(0..m, unsafe { std::slice::from_raw_parts_mut(c, m * n) });
         return;
     }
+    let c = c.map(|c| Ptr(c as usize));
     let panels = n.div_ceil(NR);
     // Blocks of rows of at most M_BLOCK, as many as a multiple of the threads (a [512, k] A
     // as four blocks of 128 rows on two threads, not 192 + 192 + 128).
@@ -146,6 +188,22 @@ pub unsafe fn gemm(m: usize, n: usize, k: usize, a: Matrix, b: Matrix, c: *mut f
         (0..m.div_ceil(m_block)).into_par_iter().for_each(|block| {
             let i0 = block * m_block;
             let mc = m_block.min(m - i0);
+            // This block's rows of C: in the caller's buffer, or in this thread's own.
+            let mut own = if c.is_none() {
+                C_BLOCK.take()
+            } else {
+                Vec::new()
+            };
+            let base = match c {
+                // SAFETY: row i0 is inside C.
+                Some(c) => unsafe { (c.0 as *mut f32).add(i0 * n) },
+                None => {
+                    if own.len() < mc * n {
+                        own.resize(mc * n, 0.0);
+                    }
+                    own.as_mut_ptr()
+                }
+            };
             // A row-major `A` is read where it is: its pairs are already adjacent, so a full
             // panel of MR rows needs no copy (the kernel reads each row in order); with an odd
             // `kc` the last pair (`a[i][k0 + kc - 1]`, 0) is packed on its own and run as a
@@ -212,7 +270,7 @@ pub unsafe fn gemm(m: usize, n: usize, k: usize, a: Matrix, b: Matrix, c: *mut f
                         // are inside A or the packed buffer.
                         #[cfg(target_arch = "x86_64")]
                         unsafe {
-                            let tile = (c.0 as *mut f32).add(i * n + j0);
+                            let tile = base.add((i - i0) * n + j0);
                             if direct(rows) && odd {
                                 let full = pairs - 1;
                                 x86::tile(panel, panel_b, full, tile, n, rows, cols, accumulate);
@@ -230,6 +288,15 @@ pub unsafe fn gemm(m: usize, n: usize, k: usize, a: Matrix, b: Matrix, c: *mut f
                     }
                 }
             });
+            if k0 + kc == k {
+                // SAFETY: the block's mc rows of n floats, every one written by its tiles.
+                then(i0..i0 + mc, unsafe {
+                    std::slice::from_raw_parts_mut(base, mc * n)
+                });
+            }
+            if c.is_none() && own.capacity() <= (16 << 20) / 4 {
+                C_BLOCK.set(own);
+            }
         });
     }
     // Kept up to 16 MiB (an FFN's `B`: 4 MiB at d_ff 2048); a larger one (a vocabulary head's
@@ -242,6 +309,8 @@ pub unsafe fn gemm(m: usize, n: usize, k: usize, a: Matrix, b: Matrix, c: *mut f
 thread_local! {
     /// Each thread's buffer for a packed `B` (at most `n × K_BLOCK` bf16).
     static PACKED_B: std::cell::Cell<Vec<u32>> = const { std::cell::Cell::new(Vec::new()) };
+    /// Each thread's rows of `C` for [`gemm_then`] without a `C` (at most `M_BLOCK × n` f32).
+    static C_BLOCK: std::cell::Cell<Vec<f32>> = const { std::cell::Cell::new(Vec::new()) };
     /// Each thread's buffer for packed panels of `A` (at most `M_BLOCK × K_BLOCK` bf16).
     static PACKED_A: std::cell::RefCell<Vec<u32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
@@ -794,6 +863,57 @@ mod tests {
                         ((got - want) as f64).abs() <= tol,
                         "{m}x{n}x{k} t=({ta},{tb}) at ({i},{j}): {got} vs {want}"
                     );
+                }
+            }
+        }
+    }
+
+    /// [`gemm_then`] hands on every row of `C` once, in disjoint blocks, and the rows it hands
+    /// on are [`gemm`]'s bit for bit: in the caller's buffer, in the threads' own (one `K`
+    /// block), and with more `K` than one block (where it makes a whole `C` after all).
+    #[test]
+    fn each_block_of_rows_is_handed_on_once_as_computed() {
+        if !available() {
+            eprintln!("no avx512_bf16 on this CPU: the kernel is not run here");
+            return;
+        }
+        for &(m, n, k) in &[(1, 5, 3), (200, 70, 130), (389, 64, 512), (50, 33, 2051)] {
+            let (a, b) = (matrix(m, k, 3), matrix(k, n, 4));
+            let ma = Matrix {
+                ptr: a.as_ptr(),
+                row_stride: k,
+                col_stride: 1,
+            };
+            let mb = Matrix {
+                ptr: b.as_ptr(),
+                row_stride: n,
+                col_stride: 1,
+            };
+            let mut want = vec![f32::NAN; m * n];
+            // SAFETY: the shapes are the buffers'.
+            unsafe { gemm(m, n, k, ma, mb, want.as_mut_ptr()) };
+            for into_c in [false, true] {
+                let got = std::sync::Mutex::new(vec![f32::NAN; m * n]);
+                let seen = std::sync::Mutex::new(vec![0u32; m]);
+                let mut c = vec![f32::NAN; m * n];
+                let then = |rows: std::ops::Range<usize>, block: &mut [f32]| {
+                    assert_eq!(block.len(), rows.len() * n);
+                    got.lock().unwrap()[rows.start * n..rows.end * n].copy_from_slice(block);
+                    for r in rows {
+                        seen.lock().unwrap()[r] += 1;
+                    }
+                    block.fill(1.0);
+                };
+                let target = into_c.then_some(c.as_mut_ptr());
+                // SAFETY: as above.
+                unsafe { gemm_then(m, n, k, ma, mb, target, &then) };
+                let case = format!("{m}x{n}x{k} into C {into_c}");
+                assert!(seen.into_inner().unwrap().iter().all(|&s| s == 1), "{case}");
+                let got = got.into_inner().unwrap();
+                assert!(got.iter().zip(&want).all(|(g, w)| g == w), "{case}");
+                // In place: what `then` wrote is what the caller's buffer holds.
+                if into_c {
+                    assert!(c.iter().all(|&v| v == 1.0), "{case}");
                 }
             }
         }

@@ -36,8 +36,7 @@ use burn::tensor::{DType, Tensor};
 
 use crate::op::backward::{Need, Present, backward_pass, untrack};
 use crate::op::{
-    Kernels, Maybe, Spec, Weights, inference, operand, project_in, project_out_chunked,
-    straight_through,
+    Kernels, Maybe, Spec, Weights, forward_pass, inference, operand, straight_through,
 };
 
 /// Rows per expert: expert `e`'s rows follow those of experts `0..e`.
@@ -319,8 +318,7 @@ fn tracked<B: Kernels, C: CheckpointStrategy, const N: usize>(
             let computed = B::ffn_each(active.len(), |i| {
                 let (e, r) = active[i].clone();
                 let we = expert_weights::<B>(&w, e);
-                let pre = project_in(&rows::<B>(&x, &r), &we, spec);
-                let (y, h) = project_out_chunked(&pre, &we, spec);
+                let (pre, y, h) = forward_pass(&rows::<B>(&x, &r), &we, spec);
                 let h = h.filter(|_| spec.memory == crate::Memory::Save);
                 (
                     y,

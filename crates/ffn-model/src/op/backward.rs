@@ -15,8 +15,8 @@ use burn::backend::{Backend, Slice, TensorMetadata};
 
 use super::hidden::{Pre, rows_of};
 use super::{
-    FfnOps, Kernels, Maybe, Memory, Spec, Weights, accumulate, bias_grad, chunks, hidden_operand,
-    inference, masked, operand, project_in, project_out_chunked, t,
+    FfnOps, Kernels, Maybe, Memory, Spec, Weights, accumulate, bias_grad, chunks, forward_pass,
+    hidden_operand, inference, masked, operand, t,
 };
 
 /// The parents of the op's node, in order: `x`, then the weights and biases that are present.
@@ -239,17 +239,26 @@ pub(crate) fn backward_pass<B: Kernels>(
             };
             accumulate::<B>(&mut dw_down, B::ffn_matmul(t::<B>(h_r), dy_r.clone()));
         }
-        let dh = B::ffn_matmul(dy_r, t::<B>(w.w_down.clone()));
-        let dh = masked::<B>(dh, &w.mask, (!whole).then_some(r));
         // d(pre) as the products' operands, with the bias gradients Σ_T d(pre) summed from
-        // the unrounded values.
-        let (dpre, sums) = B::ffn_hidden_backward_operand(
-            dh,
-            &pre_r,
-            spec.activation,
-            spec.precision,
-            need.b_gate || need.b_up,
-        );
+        // the unrounded values: from dh as its blocks come out of the product where the
+        // backend can (no dropout mask between them), else from the whole dh.
+        let sums = need.b_gate || need.b_up;
+        let fused = match &w.mask {
+            None => B::ffn_down_backward_operand(
+                &dy_r,
+                &w.w_down,
+                &pre_r,
+                spec.activation,
+                spec.precision,
+                sums,
+            ),
+            Some(_) => None,
+        };
+        let (dpre, sums) = fused.unwrap_or_else(|| {
+            let dh = B::ffn_matmul(dy_r, t::<B>(w.w_down.clone()));
+            let dh = masked::<B>(dh, &w.mask, (!whole).then_some(r));
+            B::ffn_hidden_backward_operand(dh, &pre_r, spec.activation, spec.precision, sums)
+        });
         drop(pre_r);
         let projections = match dpre {
             Pre::Plain(da) | Pre::Fused(da) => vec![(da, 1)],
@@ -322,8 +331,7 @@ fn tracked<B: Kernels, C: CheckpointStrategy, const N: usize>(
             // In bf16, x and the weights are kept rounded: what every product of both passes
             // takes.
             let (x, w) = (operand::<B>(x, spec.precision), w.operands(spec.precision));
-            let pre = project_in(&x, &w, spec);
-            let (y, h) = project_out_chunked(&pre, &w, spec);
+            let (pre, y, h) = forward_pass(&x, &w, spec);
             let h = h.filter(|_| spec.memory == Memory::Save);
             let saved = Saved {
                 x,

@@ -244,6 +244,41 @@ pub trait Kernels: Backend {
         operand::<Self>(Self::ffn_hidden(pre, activation), precision)
     }
 
+    /// The up projection and the hidden layer in one pass where a backend can: the
+    /// pre-activations `a = x w + b` (or, gated, `[g | u]` with `w = [W_gate | W_up]`, or `g` and
+    /// `u` when `gate` holds a separate `W_gate` and its bias) and `h = φ(a)` or `φ(g) ⊙ u` as
+    /// the down product's operand in `precision`, each block of the (last) product's rows turned
+    /// into `h` while it is still in cache. `None` (the default) where it cannot; the caller
+    /// then composes [`ffn_matmul`](Self::ffn_matmul), the biases and
+    /// [`ffn_hidden_operand`](Self::ffn_hidden_operand), which compute the same function.
+    #[allow(clippy::type_complexity)]
+    fn ffn_project_in_hidden(
+        _x: &FloatTensor<Self>,
+        _w: &FloatTensor<Self>,
+        _b: Option<&FloatTensor<Self>>,
+        _gate: Option<(&FloatTensor<Self>, Option<&FloatTensor<Self>>)>,
+        _activation: Activation,
+        _gated: bool,
+        _precision: Precision,
+    ) -> Option<(Pre<Self>, FloatTensor<Self>)> {
+        None
+    }
+
+    /// `dh = dy W_downᵀ` and [`ffn_hidden_backward_operand`](Self::ffn_hidden_backward_operand)
+    /// of it in one pass where a backend can, each block of `dh`'s rows turned into `d(pre)` as
+    /// it comes out of the product, so that `dh` is never whole in memory. `None` (the
+    /// default) where it cannot; the caller then composes the two.
+    fn ffn_down_backward_operand(
+        _dy: &FloatTensor<Self>,
+        _w_down: &FloatTensor<Self>,
+        _pre: &Pre<Self>,
+        _activation: Activation,
+        _precision: Precision,
+        _sums: bool,
+    ) -> Option<(Pre<Self>, Option<FloatTensor<Self>>)> {
+        None
+    }
+
     /// [`ffn_hidden_backward`](Self::ffn_hidden_backward) as the products' operands in
     /// `precision`, and, when `sums`, the column sums of the unrounded gradient (the biases'
     /// gradients: `[d_ff]`, or `[2·d_ff]` as `[Σ dg | Σ du]` when gated). By default one pass
@@ -456,10 +491,50 @@ fn chunks(pre: &Pre<impl Backend>, memory: Memory) -> Vec<Range<usize>> {
     ranges
 }
 
+/// The forward pass on the operands of [`Weights::operands`]: the pre-activations, `y`, and `h`
+/// (as the down product's operand: rounded in bf16) when it is computed whole.
+pub(crate) fn forward_pass<B: Kernels>(
+    x: &FloatTensor<B>,
+    w: &Weights<B>,
+    spec: Spec,
+) -> (Pre<B>, FloatTensor<B>, Option<FloatTensor<B>>) {
+    if let Some((pre, h)) = project_in_hidden(x, w, spec) {
+        return (pre, project_out(h.clone(), w, spec), Some(h));
+    }
+    let pre = project_in(x, w, spec);
+    let (y, h) = project_out_chunked(&pre, w, spec);
+    (pre, y, h)
+}
+
+/// The pre-activations and `h` in one pass ([`Kernels::ffn_project_in_hidden`]), where the
+/// backend has it and `h` is computed whole: in [`Memory::Save`] mode, without dropout.
+fn project_in_hidden<B: Kernels>(
+    x: &FloatTensor<B>,
+    w: &Weights<B>,
+    spec: Spec,
+) -> Option<(Pre<B>, FloatTensor<B>)> {
+    if spec.memory != Memory::Save || w.mask.is_some() {
+        return None;
+    }
+    let gate = match (spec.gated, &w.w_gate) {
+        (true, Some(w_gate)) => Some((w_gate, w.b_gate.as_ref())),
+        _ => None,
+    };
+    B::ffn_project_in_hidden(
+        x,
+        &w.w_up,
+        w.b_up.as_ref(),
+        gate,
+        spec.activation,
+        spec.gated,
+        spec.precision,
+    )
+}
+
 /// `y = φ(pre) W_down + b_down`, one chunk of rows at a time (see [`chunks`]); also `h` (as the
 /// product's operand: rounded in bf16) when it is computed whole. `w` holds the operands of
 /// [`Weights::operands`].
-pub(crate) fn project_out_chunked<B: Kernels>(
+fn project_out_chunked<B: Kernels>(
     pre: &Pre<B>,
     w: &Weights<B>,
     spec: Spec,
@@ -535,6 +610,10 @@ pub(crate) fn inference<B: Kernels>(
     spec: Spec,
 ) -> FloatTensor<B> {
     let (x, w) = (operand::<B>(x, spec.precision), w.operands(spec.precision));
+    if let Some((pre, h)) = project_in_hidden(&x, &w, spec) {
+        drop(pre);
+        return project_out(h, &w, spec);
+    }
     let pre = project_in(&x, &w, spec);
     let h = hidden_operand::<B>(&pre, &w.mask, None, spec);
     drop(pre);
@@ -930,6 +1009,8 @@ mod tests {
         let device = Device::flex().autodiff();
         for (activation, gated, fused, memory) in [
             (Activation::Relu, false, false, Memory::Save),
+            (Activation::Gelu, false, false, Memory::Save),
+            (Activation::Gelu, true, true, Memory::Save),
             (Activation::Gelu, false, false, Memory::Recompute),
             (Activation::Silu, true, false, Memory::Save),
             (Activation::Silu, true, true, Memory::Recompute),
