@@ -8,6 +8,8 @@
 //! Anything else (other dtypes, layouts the loops do not take, `tanh`) goes to the composed
 //! default.
 
+use std::mem::MaybeUninit;
+
 use burn::backend::{DType, Flex};
 use burn::tensor::Shape;
 use burn_flex::FlexTensor;
@@ -17,7 +19,8 @@ use crate::Activation;
 use crate::bf16;
 use crate::blas::{self, Operand};
 use crate::loops::{
-    add_row, backward_row, backward_row_in_place, forward_row, round_row, vectorised,
+    add_row, backward_row, backward_row_in_place, forward_row, round_into, round_row, unwritten,
+    vectorised, written,
 };
 use crate::op::hidden as composed;
 use crate::op::{self, Kernels, Pre, Precision, as_operands};
@@ -371,8 +374,8 @@ fn on_bf16_kernel(operands: [&FlexTensor; 2]) -> bool {
             .all(|t| t.dtype() == DType::BF16 && t.layout().num_dims() == 2)
 }
 
-/// Pointers to an output's rows cross to rayon's threads as addresses; each block of rows is
-/// written by one thread.
+/// An output of bf16 slots, each written once (by [`round_into`]); its address crosses to rayon's
+/// threads, and each block of rows is written by one thread.
 #[derive(Clone, Copy)]
 struct RowsMut(usize);
 
@@ -383,8 +386,9 @@ impl RowsMut {
     ///
     /// Row `r` must be inside the buffer, and no other thread may touch it meanwhile.
     #[allow(clippy::mut_from_ref)]
-    unsafe fn row(&self, r: usize, cols: usize) -> &mut [u16] {
-        unsafe { std::slice::from_raw_parts_mut((self.0 as *mut u16).add(r * cols), cols) }
+    unsafe fn row(&self, r: usize, cols: usize) -> &mut [MaybeUninit<u16>] {
+        let first = (self.0 as *mut MaybeUninit<u16>).wrapping_add(r * cols);
+        unsafe { std::slice::from_raw_parts_mut(first, cols) }
     }
 }
 
@@ -430,7 +434,7 @@ fn project_in_hidden(
         None => None,
     };
     let ((_x, a), (_w, bm)) = (bf16_matrix(x.clone()), bf16_matrix(w.clone()));
-    let mut h = vec![0u16; m * f];
+    let mut h = unwritten(m * f);
     let out = RowsMut(h.as_mut_ptr() as usize);
     let then = |rows: std::ops::Range<usize>, block: &mut [f32]| {
         for (r, pre) in rows.zip(block.chunks_mut(n)) {
@@ -448,7 +452,7 @@ fn project_in_hidden(
                     }
                     (None, false) => forward_row(act, pre, None, s),
                 }
-                round_row(s, h);
+                round_into(s, h);
             });
         }
     };
@@ -459,6 +463,8 @@ fn project_in_hidden(
         (None, true) => Pre::Fused(pre),
         (None, false) => Pre::Plain(pre),
     };
+    // SAFETY: `then` rounded every row of h into place.
+    let h = unsafe { written(h) };
     Some((pre, bf16_tensor(h, Shape::new([m, f]))))
 }
 
@@ -505,7 +511,7 @@ fn down_backward_operand(
         return None;
     }
     let width = if u.is_some() { 2 * f } else { f };
-    let mut d = vec![0u16; m * width];
+    let mut d = unwritten(m * width);
     let out = RowsMut(d.as_mut_ptr() as usize);
     // Each block's column sums, added in the order of the blocks (the same sum every run).
     let blocks = std::sync::Mutex::new(Vec::new());
@@ -519,13 +525,13 @@ fn down_backward_operand(
                 None => {
                     backward_row_in_place(act, g.row(r), dh);
                     add_row(acc.as_deref_mut(), dh);
-                    round_row(dh, out);
+                    round_into(dh, out);
                 }
                 Some(u) => with_scratch(width, |s| {
                     let (dg, du) = s.split_at_mut(f);
                     backward_row(act, dh, g.row(r), Some((u.row(r), du)), dg);
                     add_row(acc.as_deref_mut(), s);
-                    round_row(s, out);
+                    round_into(s, out);
                 }),
             }
         }
@@ -544,7 +550,8 @@ fn down_backward_operand(
         }
         FlexTensor::from_data(burn::tensor::TensorData::new(total, [width]))
     });
-    let d = bf16_tensor(d, Shape::new([m, width]));
+    // SAFETY: `then` rounded every row of d(pre) into place.
+    let d = bf16_tensor(unsafe { written(d) }, Shape::new([m, width]));
     let d = match pre {
         Pre::Plain(_) => Pre::Plain(d),
         Pre::Fused(_) => Pre::Fused(d),
@@ -695,12 +702,13 @@ fn round_to_bf16(t: &FlexTensor) -> Option<FlexTensor> {
     let shape = layout.shape().clone();
     let start = layout.start_offset();
     let x = &t.storage::<f32>()[start..start + shape.num_elements()];
-    let mut bits = vec![0u16; x.len()];
+    let mut bits = unwritten(x.len());
     const BLOCK: usize = 1 << 16;
     bits.par_chunks_mut(BLOCK)
         .zip(x.par_chunks(BLOCK))
-        .for_each(|(out, x)| round_row(x, out));
-    Some(bf16_tensor(bits, shape))
+        .for_each(|(out, x)| round_into(x, out));
+    // SAFETY: the chunks cover every slot.
+    Some(bf16_tensor(unsafe { written(bits) }, shape))
 }
 
 /// Calls `f(r, row, sums)` for every row `r` of `data` (`cols` wide); blocks of about 16k

@@ -6,6 +6,8 @@
 //! normal CDF that compilers vectorise, accurate to a few ulp (tested against f64 here, and
 //! against PyTorch in the golden tests). `ffn-train`'s attention and loss kernels share [`exp`].
 
+use std::mem::MaybeUninit;
+
 use crate::Activation;
 
 /// The vector unit the element-wise loops are compiled for: 2 AVX-512, 1 AVX2+FMA, 0 baseline.
@@ -102,6 +104,34 @@ multiversion! {
             *o = round_bf16(x);
         }
     }
+}
+
+// `round_row` into slots not yet written (of `unwritten`).
+multiversion! {
+    pub(crate) fn round_into(x: &[f32], out: &mut [MaybeUninit<u16>]) {
+        for (o, &x) in out.iter_mut().zip(x) {
+            o.write(round_bf16(x));
+        }
+    }
+}
+
+/// `len` bf16 slots, not zeroed: for a pass that writes every one ([`written`] then).
+pub(crate) fn unwritten(len: usize) -> Vec<MaybeUninit<u16>> {
+    let mut v = Vec::with_capacity(len);
+    // SAFETY: `MaybeUninit` needs no initialisation.
+    unsafe { v.set_len(len) };
+    v
+}
+
+/// The bits of [`unwritten`] slots once every one has been written.
+///
+/// # Safety
+///
+/// Every slot must have been written.
+pub(crate) unsafe fn written(v: Vec<MaybeUninit<u16>>) -> Vec<u16> {
+    let mut v = std::mem::ManuallyDrop::new(v);
+    // SAFETY: the caller's contract; same layout, the allocation moves over whole.
+    unsafe { Vec::from_raw_parts(v.as_mut_ptr().cast::<u16>(), v.len(), v.capacity()) }
 }
 
 /// `x` rounded to bf16 (to nearest, ties to even) as its bits; NaN stays NaN (quiet), as in
