@@ -113,10 +113,10 @@ pub unsafe fn gemm(m: usize, n: usize, k: usize, a: Matrix, b: Matrix, c: *mut f
 /// [`gemm`], then `then(rows, c)` on each block of rows of `C` as soon as it is complete, on the
 /// thread that computed it, while the block is still in its cache: `c` holds the block's rows
 /// (`rows.len() × n`, row-major). With `c = Some(ptr)` they are rows of that buffer (`then` may
-/// change them in place); with `None` each thread computes its blocks into a buffer of its own,
-/// and `C` is never whole in memory (`then` must take what it needs). This is how the FFN fuses
-/// its element-wise passes into the products they follow: no `[T, d_ff]` f32 pass through
-/// memory of its own. Blocks are disjoint and cover `0..m` once each. Panics unless
+/// change them in place); with `None` each block is computed into a buffer of its own, freed
+/// after `then`, and `C` is never whole in memory (`then` must take what it needs). This is how
+/// the FFN fuses its element-wise passes into the products they follow: no `[T, d_ff]` f32 pass
+/// through memory of its own. Blocks are disjoint and cover `0..m` once each. Panics unless
 /// [`available`].
 ///
 /// # Safety
@@ -188,20 +188,16 @@ pub unsafe fn gemm_then(
         (0..m.div_ceil(m_block)).into_par_iter().for_each(|block| {
             let i0 = block * m_block;
             let mc = m_block.min(m - i0);
-            // This block's rows of C: in the caller's buffer, or in this thread's own.
-            let mut own = if c.is_none() {
-                C_BLOCK.take()
-            } else {
-                Vec::new()
-            };
+            // This block's rows of C: in the caller's buffer, or in a buffer of its own, freed
+            // once `then` has taken them (not kept per thread: between products, and in
+            // recompute mode's chunks, it would be memory held for nothing).
+            let mut own: Vec<std::mem::MaybeUninit<f32>> = Vec::new();
             let base = match c {
                 // SAFETY: row i0 is inside C.
                 Some(c) => unsafe { (c.0 as *mut f32).add(i0 * n) },
                 None => {
-                    if own.len() < mc * n {
-                        own.resize(mc * n, 0.0);
-                    }
-                    own.as_mut_ptr()
+                    own.reserve_exact(mc * n);
+                    own.as_mut_ptr().cast::<f32>()
                 }
             };
             // A row-major `A` is read where it is: its pairs are already adjacent, so a full
@@ -294,9 +290,7 @@ pub unsafe fn gemm_then(
                     std::slice::from_raw_parts_mut(base, mc * n)
                 });
             }
-            if c.is_none() && own.capacity() <= (16 << 20) / 4 {
-                C_BLOCK.set(own);
-            }
+            drop(own);
         });
     }
     // Kept up to 16 MiB (an FFN's `B`: 4 MiB at d_ff 2048); a larger one (a vocabulary head's
@@ -309,8 +303,6 @@ pub unsafe fn gemm_then(
 thread_local! {
     /// Each thread's buffer for a packed `B` (at most `n × K_BLOCK` bf16).
     static PACKED_B: std::cell::Cell<Vec<u32>> = const { std::cell::Cell::new(Vec::new()) };
-    /// Each thread's rows of `C` for [`gemm_then`] without a `C` (at most `M_BLOCK × n` f32).
-    static C_BLOCK: std::cell::Cell<Vec<f32>> = const { std::cell::Cell::new(Vec::new()) };
     /// Each thread's buffer for packed panels of `A` (at most `M_BLOCK × K_BLOCK` bf16).
     static PACKED_A: std::cell::RefCell<Vec<u32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
