@@ -83,8 +83,9 @@ impl Kernels for Flex {
         })
     }
 
-    /// In bf16 on `bf16.rs`'s kernel: `h` made from each block of the up product's rows while
-    /// it is in cache (one f32 pass over `[T, d_ff]` through memory less).
+    /// In bf16 on `bf16.rs`'s kernel: each block of rows of `x w + b` (`a`, `[g | u]`, or `u`
+    /// after a separate `g = x W_gate + b_gate`) gets its bias and is turned into rows of `h`
+    /// (computed in f32, rounded as written) while it is in cache.
     fn ffn_project_in_hidden(
         x: &FlexTensor,
         w: &FlexTensor,
@@ -94,13 +95,77 @@ impl Kernels for Flex {
         gated: bool,
         precision: Precision,
     ) -> Option<(Pre<Flex>, FlexTensor)> {
-        (precision == Precision::Bf16)
-            .then(|| project_in_hidden(x, w, b, gate, activation, gated))
-            .flatten()
+        if precision != Precision::Bf16 {
+            return None;
+        }
+        let act = vectorised(activation)?;
+        if !on_bf16_kernel([x, w]) || (gate.is_some() && !gated) {
+            return None;
+        }
+        let bias = match b {
+            Some(b) => Some(contiguous_f32(b)?),
+            None => None,
+        };
+        let [m, k] = x.layout().shape().dims::<2>();
+        let n = w.layout().shape()[1];
+        // The width of h: all of the product's columns, half of a fused [g | u]'s.
+        let f = if gated && gate.is_none() { n / 2 } else { n };
+        if gated && gate.is_none() && !n.is_multiple_of(2) {
+            return None;
+        }
+        // A separate gate's pre-activations first, whole: the up product's blocks read its rows.
+        let g = match gate {
+            Some((w_gate, b_gate)) => {
+                if !on_bf16_kernel([x, w_gate]) || w_gate.layout().shape()[1] != n {
+                    return None;
+                }
+                let g = matmul_bf16(x.clone(), w_gate.clone());
+                Some(op::add_bias::<Flex>(g, b_gate.cloned()))
+            }
+            None => None,
+        };
+        let g_rows = match &g {
+            Some(g) => Some(rows(g)?),
+            None => None,
+        };
+        let ((_x, a), (_w, bm)) = (bf16_matrix(x.clone()), bf16_matrix(w.clone()));
+        let mut h = unwritten(m * f);
+        let out = RowsMut(h.as_mut_ptr() as usize);
+        let then = |rows: std::ops::Range<usize>, block: &mut [f32]| {
+            for (r, pre) in rows.zip(block.chunks_mut(n)) {
+                if let Some(b) = bias {
+                    add_row(Some(&mut *pre), b);
+                }
+                // SAFETY: row r of h, this block's alone.
+                let h = unsafe { out.row(r, f) };
+                with_scratch(f, |s| {
+                    match (g_rows, gated) {
+                        (Some(g), _) => forward_row(act, g.row(r), Some(pre), s),
+                        (None, true) => {
+                            let (g, u) = pre.split_at(f);
+                            forward_row(act, g, Some(u), s)
+                        }
+                        (None, false) => forward_row(act, pre, None, s),
+                    }
+                    round_into(s, h);
+                });
+            }
+        };
+        // SAFETY: the matrices address their tensors' shapes; `gemm_then` writes all m·n floats.
+        let pre = unsafe { product(m, n, |c| bf16::gemm_then(m, n, k, a, bm, Some(c), &then)) };
+        let pre = match (g, gated) {
+            (Some(g), _) => Pre::Gated(g, pre),
+            (None, true) => Pre::Fused(pre),
+            (None, false) => Pre::Plain(pre),
+        };
+        // SAFETY: `then` rounded every row of h into place.
+        let h = unsafe { written(h) };
+        Some((pre, bf16_tensor(h, Shape::new([m, f]))))
     }
 
-    /// In bf16 on `bf16.rs`'s kernel: `dh` is never whole, each block of its rows turned into
-    /// `d(pre)` as it comes out of the product.
+    /// In bf16 on `bf16.rs`'s kernel: each block of rows of `dh = dy W_downᵀ`, computed into a
+    /// buffer of its own (`dh` is never whole), is turned into rows of `d(pre)` (in f32, added
+    /// into the column sums, rounded as written).
     fn ffn_down_backward_operand(
         dy: &FlexTensor,
         w_down: &FlexTensor,
@@ -109,9 +174,79 @@ impl Kernels for Flex {
         precision: Precision,
         sums: bool,
     ) -> Option<(Pre<Flex>, Option<FlexTensor>)> {
-        (precision == Precision::Bf16)
-            .then(|| down_backward_operand(dy, w_down, pre, activation, sums))
-            .flatten()
+        if precision != Precision::Bf16 {
+            return None;
+        }
+        let act = vectorised(activation)?;
+        if !on_bf16_kernel([dy, w_down]) {
+            return None;
+        }
+        let (g, u) = halves(pre);
+        let g = rows(&g)?;
+        let u = match &u {
+            Some(u) => Some(rows(u)?),
+            None => None,
+        };
+        let ((_dy, a), (_w, wm)) = (bf16_matrix(dy.clone()), bf16_matrix(w_down.clone()));
+        // W_downᵀ: `[d_model, d_ff]` through the strides of `W_down: [d_ff, d_model]`.
+        let b = bf16::Matrix {
+            ptr: wm.ptr,
+            row_stride: wm.col_stride,
+            col_stride: wm.row_stride,
+        };
+        let [m, k] = dy.layout().shape().dims::<2>();
+        let f = w_down.layout().shape()[0];
+        if g.rows != m || g.cols != f {
+            return None;
+        }
+        let width = if u.is_some() { 2 * f } else { f };
+        let mut d = unwritten(m * width);
+        let out = RowsMut(d.as_mut_ptr() as usize);
+        // Each block's column sums, added in the order of the blocks (the same sum every run).
+        let blocks = std::sync::Mutex::new(Vec::new());
+        let then = |rows: std::ops::Range<usize>, block: &mut [f32]| {
+            let mut acc = sums.then(|| vec![0.0f32; width]);
+            let start = rows.start;
+            for (r, dh) in rows.zip(block.chunks_mut(f)) {
+                // SAFETY: row r of d(pre), this block's alone.
+                let out = unsafe { out.row(r, width) };
+                match u {
+                    None => {
+                        backward_row_in_place(act, g.row(r), dh);
+                        add_row(acc.as_deref_mut(), dh);
+                        round_into(dh, out);
+                    }
+                    Some(u) => with_scratch(width, |s| {
+                        let (dg, du) = s.split_at_mut(f);
+                        backward_row(act, dh, g.row(r), Some((u.row(r), du)), dg);
+                        add_row(acc.as_deref_mut(), s);
+                        round_into(s, out);
+                    }),
+                }
+            }
+            if let Some(acc) = acc {
+                blocks.lock().expect("no panic holds it").push((start, acc));
+            }
+        };
+        // SAFETY: the matrices address their tensors' shapes.
+        unsafe { bf16::gemm_then(m, f, k, a, b, None, &then) };
+        let sums = sums.then(|| {
+            let mut blocks = blocks.into_inner().expect("no panic holds it");
+            blocks.sort_by_key(|(start, _)| *start);
+            let mut total = vec![0.0f32; width];
+            for (_, acc) in &blocks {
+                add_row(Some(&mut total), acc);
+            }
+            FlexTensor::from_data(burn::tensor::TensorData::new(total, [width]))
+        });
+        // SAFETY: `then` rounded every row of d(pre) into place.
+        let d = bf16_tensor(unsafe { written(d) }, Shape::new([m, width]));
+        let d = match pre {
+            Pre::Plain(_) => Pre::Plain(d),
+            Pre::Fused(_) => Pre::Fused(d),
+            Pre::Gated(..) => Pre::Gated(d.narrow(1, 0, f), d.narrow(1, f, f)),
+        };
+        Some((d, sums))
     }
 
     fn ffn_hidden_backward(dh: FlexTensor, pre: &Pre<Flex>, activation: Activation) -> Pre<Flex> {
@@ -392,82 +527,6 @@ impl RowsMut {
     }
 }
 
-/// [`Kernels::ffn_project_in_hidden`] on `bf16.rs`'s kernel: each block of rows of `x w + b`
-/// (`a`, `[g | u]`, or `u` after a separate `g = x W_gate + b_gate`) gets its bias and is turned
-/// into rows of `h` (computed in f32, rounded as written) while it is in cache.
-fn project_in_hidden(
-    x: &FlexTensor,
-    w: &FlexTensor,
-    b: Option<&FlexTensor>,
-    gate: Option<(&FlexTensor, Option<&FlexTensor>)>,
-    activation: Activation,
-    gated: bool,
-) -> Option<(Pre<Flex>, FlexTensor)> {
-    let act = vectorised(activation)?;
-    if !on_bf16_kernel([x, w]) || (gate.is_some() && !gated) {
-        return None;
-    }
-    let bias = match b {
-        Some(b) => Some(contiguous_f32(b)?),
-        None => None,
-    };
-    let [m, k] = x.layout().shape().dims::<2>();
-    let n = w.layout().shape()[1];
-    // The width of h: all of the product's columns, half of a fused [g | u]'s.
-    let f = if gated && gate.is_none() { n / 2 } else { n };
-    if gated && gate.is_none() && !n.is_multiple_of(2) {
-        return None;
-    }
-    // A separate gate's pre-activations first, whole: the up product's blocks read its rows.
-    let g = match gate {
-        Some((w_gate, b_gate)) => {
-            if !on_bf16_kernel([x, w_gate]) || w_gate.layout().shape()[1] != n {
-                return None;
-            }
-            let g = matmul_bf16(x.clone(), w_gate.clone());
-            Some(op::add_bias::<Flex>(g, b_gate.cloned()))
-        }
-        None => None,
-    };
-    let g_rows = match &g {
-        Some(g) => Some(rows(g)?),
-        None => None,
-    };
-    let ((_x, a), (_w, bm)) = (bf16_matrix(x.clone()), bf16_matrix(w.clone()));
-    let mut h = unwritten(m * f);
-    let out = RowsMut(h.as_mut_ptr() as usize);
-    let then = |rows: std::ops::Range<usize>, block: &mut [f32]| {
-        for (r, pre) in rows.zip(block.chunks_mut(n)) {
-            if let Some(b) = bias {
-                add_row(Some(&mut *pre), b);
-            }
-            // SAFETY: row r of h, this block's alone.
-            let h = unsafe { out.row(r, f) };
-            with_scratch(f, |s| {
-                match (g_rows, gated) {
-                    (Some(g), _) => forward_row(act, g.row(r), Some(pre), s),
-                    (None, true) => {
-                        let (g, u) = pre.split_at(f);
-                        forward_row(act, g, Some(u), s)
-                    }
-                    (None, false) => forward_row(act, pre, None, s),
-                }
-                round_into(s, h);
-            });
-        }
-    };
-    // SAFETY: the matrices address their tensors' shapes; `gemm_then` writes all m·n floats.
-    let pre = unsafe { product(m, n, |c| bf16::gemm_then(m, n, k, a, bm, Some(c), &then)) };
-    let pre = match (g, gated) {
-        (Some(g), _) => Pre::Gated(g, pre),
-        (None, true) => Pre::Fused(pre),
-        (None, false) => Pre::Plain(pre),
-    };
-    // SAFETY: `then` rounded every row of h into place.
-    let h = unsafe { written(h) };
-    Some((pre, bf16_tensor(h, Shape::new([m, f]))))
-}
-
 /// The values of a contiguous f32 tensor (a bias).
 fn contiguous_f32(t: &FlexTensor) -> Option<&[f32]> {
     let layout = t.layout();
@@ -476,88 +535,6 @@ fn contiguous_f32(t: &FlexTensor) -> Option<&[f32]> {
     }
     let start = layout.start_offset();
     Some(&t.storage::<f32>()[start..start + layout.num_elements()])
-}
-
-/// [`Kernels::ffn_down_backward_operand`] on `bf16.rs`'s kernel: each block of rows of `dh = dy
-/// W_downᵀ`, computed into a thread's own buffer, is turned into rows of `d(pre)` (in f32,
-/// added into the column sums, rounded as written).
-fn down_backward_operand(
-    dy: &FlexTensor,
-    w_down: &FlexTensor,
-    pre: &Pre<Flex>,
-    activation: Activation,
-    sums: bool,
-) -> Option<(Pre<Flex>, Option<FlexTensor>)> {
-    let act = vectorised(activation)?;
-    if !on_bf16_kernel([dy, w_down]) {
-        return None;
-    }
-    let (g, u) = halves(pre);
-    let g = rows(&g)?;
-    let u = match &u {
-        Some(u) => Some(rows(u)?),
-        None => None,
-    };
-    let ((_dy, a), (_w, wm)) = (bf16_matrix(dy.clone()), bf16_matrix(w_down.clone()));
-    // W_downᵀ: `[d_model, d_ff]` through the strides of `W_down: [d_ff, d_model]`.
-    let b = bf16::Matrix {
-        ptr: wm.ptr,
-        row_stride: wm.col_stride,
-        col_stride: wm.row_stride,
-    };
-    let [m, k] = dy.layout().shape().dims::<2>();
-    let f = w_down.layout().shape()[0];
-    if g.rows != m || g.cols != f {
-        return None;
-    }
-    let width = if u.is_some() { 2 * f } else { f };
-    let mut d = unwritten(m * width);
-    let out = RowsMut(d.as_mut_ptr() as usize);
-    // Each block's column sums, added in the order of the blocks (the same sum every run).
-    let blocks = std::sync::Mutex::new(Vec::new());
-    let then = |rows: std::ops::Range<usize>, block: &mut [f32]| {
-        let mut acc = sums.then(|| vec![0.0f32; width]);
-        let start = rows.start;
-        for (r, dh) in rows.zip(block.chunks_mut(f)) {
-            // SAFETY: row r of d(pre), this block's alone.
-            let out = unsafe { out.row(r, width) };
-            match u {
-                None => {
-                    backward_row_in_place(act, g.row(r), dh);
-                    add_row(acc.as_deref_mut(), dh);
-                    round_into(dh, out);
-                }
-                Some(u) => with_scratch(width, |s| {
-                    let (dg, du) = s.split_at_mut(f);
-                    backward_row(act, dh, g.row(r), Some((u.row(r), du)), dg);
-                    add_row(acc.as_deref_mut(), s);
-                    round_into(s, out);
-                }),
-            }
-        }
-        if let Some(acc) = acc {
-            blocks.lock().expect("no panic holds it").push((start, acc));
-        }
-    };
-    // SAFETY: the matrices address their tensors' shapes.
-    unsafe { bf16::gemm_then(m, f, k, a, b, None, &then) };
-    let sums = sums.then(|| {
-        let mut blocks = blocks.into_inner().expect("no panic holds it");
-        blocks.sort_by_key(|(start, _)| *start);
-        let mut total = vec![0.0f32; width];
-        for (_, acc) in &blocks {
-            add_row(Some(&mut total), acc);
-        }
-        FlexTensor::from_data(burn::tensor::TensorData::new(total, [width]))
-    });
-    // SAFETY: `then` rounded every row of d(pre) into place.
-    let d = bf16_tensor(unsafe { written(d) }, Shape::new([m, width]));
-    let d = match pre {
-        Pre::Plain(_) => Pre::Plain(d),
-        Pre::Fused(_) => Pre::Fused(d),
-        Pre::Gated(..) => Pre::Gated(d.narrow(1, 0, f), d.narrow(1, f, f)),
-    };
-    Some((d, sums))
 }
 
 /// A 2-D tensor as a BLAS operand: row-major (`trans = false`) or the transpose of a row-major
