@@ -489,12 +489,18 @@ fn bf16_matrix(t: FlexTensor) -> (FlexTensor, bf16::Matrix) {
             col_stride: strides[1] as usize,
         })
     };
-    match matrix(&t) {
-        Some(m) => (t, m),
+    described(t, matrix)
+}
+
+/// `t` with `describe(t)`, or, where its layout has no description, a contiguous copy with its
+/// own (every contiguous matrix has one).
+fn described<T>(t: FlexTensor, describe: impl Fn(&FlexTensor) -> Option<T>) -> (FlexTensor, T) {
+    match describe(&t) {
+        Some(d) => (t, d),
         None => {
             let t = t.to_contiguous();
-            let m = matrix(&t).expect("non-negative strides");
-            (t, m)
+            let d = describe(&t).expect("a contiguous matrix is described");
+            (t, d)
         }
     }
 }
@@ -561,14 +567,7 @@ fn operand(t: FlexTensor) -> (FlexTensor, Operand) {
             None
         }
     };
-    match describe(&t) {
-        Some(op) => (t, op),
-        None => {
-            let t = t.to_contiguous();
-            let op = describe(&t).expect("a contiguous matrix is row-major");
-            (t, op)
-        }
-    }
+    described(t, describe)
 }
 
 /// The rows of a 2-D f32 tensor whose rows are contiguous (any row stride).
