@@ -114,7 +114,8 @@ pub unsafe fn gemm(m: usize, n: usize, k: usize, a: Matrix, b: Matrix, c: *mut f
 /// thread that computed it, while the block is still in its cache: `c` holds the block's rows
 /// (`rows.len() × n`, row-major). With `c = Some(ptr)` they are rows of that buffer (`then` may
 /// change them in place); with `None` each block is computed into a buffer of its own, freed
-/// after `then`, and `C` is never whole in memory (`then` must take what it needs). This is how
+/// after `then`, and `C` is never whole in memory (`then` must take what it needs; with more
+/// than one block of `K` the blocks are summed into a whole `C` after all). This is how
 /// the FFN fuses its element-wise passes into the products they follow: no `[T, d_ff]` f32 pass
 /// through memory of its own. Blocks are disjoint and cover `0..m` once each. Panics unless
 /// [`available`].
