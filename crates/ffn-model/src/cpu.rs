@@ -3,7 +3,8 @@
 //! - Matrix products through a tuned SGEMM when one is found at run time (`blas.rs`), else
 //!   Flex's own.
 //! - The element-wise passes as one loop each over the `[tokens, d_ff]` rows (`loops.rs`),
-//!   split over rayon's threads.
+//!   split over rayon's threads; in bf16 on a CPU with `avx512_bf16`, run inside the products
+//!   they follow, on each block of rows as it comes out (`bf16::gemm_then`).
 //!
 //! Anything else (other dtypes, layouts the loops do not take, `tanh`) goes to the composed
 //! default.

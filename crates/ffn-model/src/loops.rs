@@ -382,8 +382,6 @@ mod tests {
             .fold(0.0, f64::max)
     }
 
-    /// erf in f64, independent of the kernel's formula: the Maclaurin series for |x| ≤ 3 (where
-    /// its cancellation costs < 1e-12), the continued fraction of erfc beyond.
     /// GELU's left tail, relative to its own (vanishing) size: `Φ` comes from `erfc` directly,
     /// and `e^{-x²/2}` from `x` (one rounding before the exponential, which multiplies an error
     /// of its argument by `x²/2`). Measured 4.0·10⁻⁶ (value) and 3.8·10⁻⁶ (derivative) below
@@ -406,6 +404,8 @@ mod tests {
         );
     }
 
+    /// erf in f64, independent of the kernel's formula: the Maclaurin series for |x| ≤ 3 (where
+    /// its cancellation costs < 1e-12), the continued fraction of erfc beyond.
     fn erf64(x: f64) -> f64 {
         let z = x.abs();
         if z <= 3.0 {
