@@ -131,7 +131,6 @@ fn memory_child(backend: &str, variant: Variant, d_model: usize, tokens: usize, 
     let peak = step_memory(
         config.init(&autodiff),
         |model, x| forward(model, x, Path::Op),
-        |model| model.down().weight.val().sum().into_scalar(),
         [tokens, d_model],
         &autodiff,
     );

@@ -79,21 +79,12 @@ fn memory_child(name: &str, shape: Shape) {
         "ffn-moe" => step_memory(
             shape.moe().init(&device),
             |m, x| m.forward(x).output,
-            |m| {
-                let w = [m.w_gate().unwrap(), m.w_up(), m.w_down()];
-                let experts: f32 = w.map(|w| w.val().sum().into_scalar()).iter().sum();
-                experts + m.router().weight.val().sum().into_scalar::<f32>()
-            },
             [shape.tokens, shape.d_model],
             &device,
         ),
         "ffn-dense" => step_memory(
             shape.swiglu(shape.top_k * shape.d_ff).init(&device),
             |m, x| m.forward(x),
-            |m| {
-                let w = [m.gate().unwrap(), m.up().unwrap(), m.down()];
-                w.map(|l| l.weight.val().sum().into_scalar()).iter().sum()
-            },
             [shape.tokens, shape.d_model],
             &device,
         ),

@@ -130,13 +130,12 @@ pub struct StepPeak {
 }
 
 /// Three AdamW steps of `model` (`L = Σ forward(x) ⊙ g` for `x`, `g` of `[tokens, d_model]`,
-/// the input's gradient taken) and their peak memory. `probe` reads every weight: they are
+/// the input's gradient taken) and their peak memory. Every parameter is read first: they are
 /// drawn before the measurement (burn initialises parameters lazily), and each step waits for
 /// its update.
 pub fn step_memory<M: Module>(
     mut model: M,
     forward: impl Fn(&M, Tensor<2>) -> Tensor<2>,
-    probe: impl Fn(&M) -> f32,
     [tokens, d_model]: [usize; 2],
     device: &Device,
 ) -> StepPeak {
@@ -144,7 +143,7 @@ pub fn step_memory<M: Module>(
     let normal = || Tensor::<2>::random([tokens, d_model], Distribution::Normal(0.0, 1.0), device);
     let (x, g) = (normal().require_grad(), normal());
     let _: f32 = (x.clone().sum() + g.clone().sum()).into_scalar();
-    probe(&model);
+    read_every_parameter(&model);
     let mut optim = AdamWConfig::new().init();
     let before = status_mib("VmRSS:");
     std::fs::write("/proc/self/clear_refs", "5").expect("reset the RSS high-water mark");
@@ -155,7 +154,7 @@ pub fn step_memory<M: Module>(
         let _: f32 = x.grad(&grads).expect("dx").sum().into_scalar();
         let grads = GradientsParams::from_grads(grads, &model);
         model = optim.step(1e-4, model, grads);
-        probe(&model);
+        read_every_parameter(&model);
     }
     let peak = status_mib("VmHWM:");
     let mib = |bytes: usize| bytes as f64 / (1 << 20) as f64;
@@ -164,6 +163,18 @@ pub fn step_memory<M: Module>(
         rss_total: peak,
         allocated: mib(HIGH.load(Relaxed).saturating_sub(live_before)),
     }
+}
+
+/// Reads every float parameter of `model`, which draws those not yet drawn (burn initialises
+/// parameters lazily, on first use) and waits for any update still running.
+fn read_every_parameter<M: Module>(model: &M) {
+    struct Read;
+    impl burn::module::ModuleVisitor for Read {
+        fn visit_float<const D: usize>(&mut self, param: &burn::module::Param<Tensor<D>>) {
+            let _: f32 = param.val().sum().into_scalar();
+        }
+    }
+    model.visit(&mut Read);
 }
 
 /// Runs this benchmark again with `args` (a `--memory-child` invocation) in a fresh process;

@@ -168,11 +168,8 @@ pub unsafe fn gemm_then(
     // This thread's buffer for the packed `B`, kept from one call to the next (a product called
     // while another runs on this thread, as rayon may do, makes its own): `pack_b` writes every
     // lane of it that the tiles read, so what an earlier call left is never read.
-    let mut packed_b = PACKED_B.take();
     let len = panels * NR * k.min(K_BLOCK).div_ceil(2);
-    if packed_b.len() < len {
-        packed_b.resize(len, 0);
-    }
+    let mut packed_b = vec![0u32; len];
     for k0 in (0..k).step_by(K_BLOCK) {
         let kc = K_BLOCK.min(k - k0);
         let pairs = kc.div_ceil(2);
@@ -293,11 +290,6 @@ pub unsafe fn gemm_then(
             }
             drop(own);
         });
-    }
-    // Kept up to 16 MiB (an FFN's `B`: 4 MiB at d_ff 2048); a larger one (a vocabulary head's
-    // weights) is freed.
-    if packed_b.capacity() <= (16 << 20) / 4 {
-        PACKED_B.set(packed_b);
     }
 }
 

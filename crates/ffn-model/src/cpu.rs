@@ -131,7 +131,10 @@ impl Kernels for Flex {
         };
         let ((_x, a), (_w, bm)) = (bf16_matrix(x.clone()), bf16_matrix(w.clone()));
         let mut h = unwritten(m * f);
-        let out = RowsMut(h.as_mut_ptr() as usize);
+        let out = RowsMut {
+            addr: h.as_mut_ptr() as usize,
+            stride: f,
+        };
         let then = |rows: std::ops::Range<usize>, block: &mut [f32]| {
             for (r, pre) in rows.zip(block.chunks_mut(n)) {
                 if let Some(b) = bias {
@@ -167,27 +170,26 @@ impl Kernels for Flex {
     /// In bf16 on `bf16.rs`'s kernel: each block of rows of `dh = dy W_downᵀ`, computed into a
     /// buffer of its own (`dh` is never whole), is turned into rows of `d(pre)` (in f32, added
     /// into the column sums, rounded as written).
+    ///
+    /// When this op holds the pre-activations alone, `d(pre)` is written over them: row `r` of
+    /// `d(pre)` (bf16, `f` or `2·f` wide) fills the first bytes of row `r` of `a`, `g` or
+    /// `[g | u]` (f32, `f` or `2·f` wide), which is read whole before it is written. So the
+    /// backward pass never holds `pre` and `d(pre)` at once: the largest two tensors of a bf16
+    /// step become one.
     fn ffn_down_backward_operand(
         dy: &FlexTensor,
         w_down: &FlexTensor,
-        pre: &Pre<Flex>,
+        pre: Pre<Flex>,
         activation: Activation,
         precision: Precision,
         sums: bool,
-    ) -> Option<(Pre<Flex>, Option<FlexTensor>)> {
-        if precision != Precision::Bf16 {
-            return None;
-        }
-        let act = vectorised(activation)?;
-        if !on_bf16_kernel([dy, w_down]) {
-            return None;
-        }
-        let (g, u) = halves(pre);
-        let g = rows(&g)?;
-        let u = match &u {
-            Some(u) => Some(rows(u)?),
-            None => None,
+    ) -> Result<(Pre<Flex>, Option<FlexTensor>), Pre<Flex>> {
+        let Some(act) = vectorised(activation) else {
+            return Err(pre);
         };
+        if precision != Precision::Bf16 || !on_bf16_kernel([dy, w_down]) {
+            return Err(pre);
+        }
         let ((_dy, a), (_w, wm)) = (bf16_matrix(dy.clone()), bf16_matrix(w_down.clone()));
         // W_downᵀ: `[d_model, d_ff]` through the strides of `W_down: [d_ff, d_model]`.
         let b = bf16::Matrix {
@@ -197,31 +199,88 @@ impl Kernels for Flex {
         };
         let [m, k] = dy.layout().shape().dims::<2>();
         let f = w_down.layout().shape()[0];
-        if g.rows != m || g.cols != f {
-            return None;
-        }
-        let width = if u.is_some() { 2 * f } else { f };
-        let mut d = unwritten(m * width);
-        let out = RowsMut(d.as_mut_ptr() as usize);
+        let gated = !matches!(pre, Pre::Plain(_));
+        let width = if gated { 2 * f } else { f };
+        // The buffer of `a`, `g` or `[g | u]` (the host of `d(pre)` when written in place), and
+        // a `u` of its own: rows of f32 with unit column stride, `f` or `2·f` of them.
+        let (host, u) = match &pre {
+            Pre::Plain(a) => (a, None),
+            Pre::Gated(g, u) => (g, Some(u)),
+            Pre::Fused(gu) => (gu, None),
+        };
+        let host_cols = if matches!(pre, Pre::Fused(_)) {
+            2 * f
+        } else {
+            f
+        };
+        let stride = match rows(host) {
+            Some(h) if h.rows == m && h.cols == host_cols => h.stride,
+            _ => return Err(pre),
+        };
+        let u = match u.map(rows) {
+            None => None,
+            Some(Some(u)) if u.rows == m && u.cols == f => Some(RowPtrs::of(u)),
+            Some(_) => return Err(pre),
+        };
+        let in_place = host.is_unique() && host.layout().start_offset() == 0;
+        let mut host = match pre {
+            Pre::Plain(a) => a,
+            Pre::Gated(g, _) => g,
+            Pre::Fused(gu) => gu,
+        };
+        // Every row of `g` (and of a fused `u`) is read through this address; in place, the
+        // rows of `d(pre)` are written through it too.
+        let base = if in_place {
+            let all = host.try_storage_mut::<f32>().expect("held alone");
+            all.as_mut_ptr()
+        } else {
+            let start = host.layout().start_offset();
+            host.storage::<f32>()[start..].as_ptr().cast_mut()
+        };
+        let g = RowPtrs {
+            addr: base as usize,
+            cols: f,
+            stride,
+        };
+        let u = match u {
+            None if gated => Some(RowPtrs {
+                addr: base.wrapping_add(f) as usize,
+                ..g
+            }),
+            u => u,
+        };
+        let mut own = (!in_place).then(|| unwritten(m * width));
+        let out = match own.as_mut() {
+            Some(d) => RowsMut {
+                addr: d.as_mut_ptr() as usize,
+                stride: width,
+            },
+            None => RowsMut {
+                addr: base as usize,
+                stride: 2 * stride,
+            },
+        };
         // Each block's column sums, added in the order of the blocks (the same sum every run).
         let blocks = std::sync::Mutex::new(Vec::new());
         let then = |rows: std::ops::Range<usize>, block: &mut [f32]| {
             let mut acc = sums.then(|| vec![0.0f32; width]);
             let start = rows.start;
             for (r, dh) in rows.zip(block.chunks_mut(f)) {
-                // SAFETY: row r of d(pre), this block's alone.
-                let out = unsafe { out.row(r, width) };
+                // SAFETY (every `row`): rows r of g, u and d(pre) are this block's alone; g's
+                // and u's are read whole (into `dh` or the scratch row) before d(pre)'s, which
+                // may lie over them, is written.
                 match u {
                     None => {
-                        backward_row_in_place(act, g.row(r), dh);
+                        backward_row_in_place(act, unsafe { g.row(r) }, dh);
                         add_row(acc.as_deref_mut(), dh);
-                        round_into(dh, out);
+                        round_into(dh, unsafe { out.row(r, width) });
                     }
                     Some(u) => with_scratch(width, |s| {
                         let (dg, du) = s.split_at_mut(f);
-                        backward_row(act, dh, g.row(r), Some((u.row(r), du)), dg);
+                        let (g, u) = unsafe { (g.row(r), u.row(r)) };
+                        backward_row(act, dh, g, Some((u, du)), dg);
                         add_row(acc.as_deref_mut(), s);
-                        round_into(s, out);
+                        round_into(s, unsafe { out.row(r, width) });
                     }),
                 }
             }
@@ -240,14 +299,26 @@ impl Kernels for Flex {
             }
             FlexTensor::from_data(burn::tensor::TensorData::new(total, [width]))
         });
-        // SAFETY: `then` rounded every row of d(pre) into place.
-        let d = bf16_tensor(unsafe { written(d) }, Shape::new([m, width]));
-        let d = match pre {
-            Pre::Plain(_) => Pre::Plain(d),
-            Pre::Fused(_) => Pre::Fused(d),
-            Pre::Gated(..) => Pre::Gated(d.narrow(1, 0, f), d.narrow(1, f, f)),
+        let shape = Shape::new([m, width]);
+        let d = match own {
+            // SAFETY: `then` rounded every row of d(pre) into place.
+            Some(d) => bf16_tensor(unsafe { written(d) }, shape),
+            // The host's buffer, now rows of bf16 `2·stride` apart (each within the f32 row it
+            // replaced: `width ≤ 2·host_cols`).
+            None => {
+                let layout = burn_flex::Layout::new(shape, vec![2 * stride as isize, 1], 0);
+                FlexTensor::from_arc(host.data_arc(), layout, DType::BF16)
+            }
         };
-        Some((d, sums))
+        drop(host);
+        let d = if !gated {
+            Pre::Plain(d)
+        } else if host_cols == f {
+            Pre::Gated(d.narrow(1, 0, f), d.narrow(1, f, f))
+        } else {
+            Pre::Fused(d)
+        };
+        Ok((d, sums))
     }
 
     fn ffn_hidden_backward(dh: FlexTensor, pre: &Pre<Flex>, activation: Activation) -> Pre<Flex> {
@@ -519,7 +590,11 @@ fn on_bf16_kernel(operands: [&FlexTensor; 2]) -> bool {
 /// An output of bf16 slots, each written once (by [`round_into`]); its address crosses to rayon's
 /// threads, and each block of rows is written by one thread.
 #[derive(Clone, Copy)]
-struct RowsMut(usize);
+struct RowsMut {
+    addr: usize,
+    /// Slots from the start of one row to the next.
+    stride: usize,
+}
 
 impl RowsMut {
     /// Row `r` (`cols` wide).
@@ -529,8 +604,37 @@ impl RowsMut {
     /// Row `r` must be inside the buffer, and no other thread may touch it meanwhile.
     #[allow(clippy::mut_from_ref)]
     unsafe fn row(&self, r: usize, cols: usize) -> &mut [MaybeUninit<u16>] {
-        let first = (self.0 as *mut MaybeUninit<u16>).wrapping_add(r * cols);
+        let first = (self.addr as *mut MaybeUninit<u16>).wrapping_add(r * self.stride);
         unsafe { std::slice::from_raw_parts_mut(first, cols) }
+    }
+}
+
+/// The rows of an f32 matrix by address (it crosses to rayon's threads): each row is borrowed
+/// only while it is read, so that a pass may write over a row once it has read it.
+#[derive(Clone, Copy)]
+struct RowPtrs {
+    addr: usize,
+    cols: usize,
+    stride: usize,
+}
+
+impl RowPtrs {
+    fn of(rows: Rows<'_>) -> Self {
+        Self {
+            addr: rows.data.as_ptr() as usize,
+            cols: rows.cols,
+            stride: rows.stride,
+        }
+    }
+
+    /// Row `r`.
+    ///
+    /// # Safety
+    ///
+    /// Row `r` must be inside the matrix, and not written while the borrow lives.
+    unsafe fn row<'a>(self, r: usize) -> &'a [f32] {
+        let first = (self.addr as *const f32).wrapping_add(r * self.stride);
+        unsafe { std::slice::from_raw_parts(first, self.cols) }
     }
 }
 
@@ -754,6 +858,89 @@ pub(crate) mod tests {
         let out = work();
         WIDEN.with(|w| w.set(before));
         out
+    }
+
+    /// `d(pre)` from the fused backward pass is written over the pre-activations when they are
+    /// held alone (the same buffer comes back, as bf16 rows in the f32 rows' place), and is
+    /// then bit for bit the `d(pre)` written to a buffer of its own (pre-activations shared):
+    /// plain, gated with `u` apart, and fused `[g | u]`, with an odd width and the bias sums.
+    #[test]
+    fn d_pre_is_written_over_pre_held_alone() {
+        use burn::tensor::TensorData;
+        if !bf16::available() {
+            return;
+        }
+        let (m, k, f) = (29, 40, 37);
+        let mut seed = 5u32;
+        let mut normal = |len: usize| -> Vec<f32> {
+            (0..len)
+                .map(|_| {
+                    seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+                    (seed >> 8) as f32 / (1u32 << 24) as f32 * 4.0 - 2.0
+                })
+                .collect()
+        };
+        let f32_tensor =
+            |v: Vec<f32>, shape: [usize; 2]| FlexTensor::from_data(TensorData::new(v, shape));
+        let round = |t: FlexTensor| {
+            use burn::backend::ops::FloatTensorOps;
+            <Flex as FloatTensorOps<Flex>>::float_cast(t, burn::tensor::FloatDType::BF16)
+        };
+        let dy = round(f32_tensor(normal(m * k), [m, k]));
+        let w_down = round(f32_tensor(normal(f * k), [f, k]));
+        let (a, g, u) = (normal(m * f), normal(m * f), normal(m * f));
+        let gu: Vec<f32> = g
+            .chunks(f)
+            .zip(u.chunks(f))
+            .flat_map(|(g, u)| g.iter().chain(u).copied())
+            .collect();
+        let cases = [
+            (Activation::Gelu, Pre::Plain(f32_tensor(a, [m, f]))),
+            (
+                Activation::Silu,
+                Pre::Gated(f32_tensor(g, [m, f]), f32_tensor(u, [m, f])),
+            ),
+            (Activation::Silu, Pre::Fused(f32_tensor(gu, [m, 2 * f]))),
+        ];
+        let values = |d: &Pre<Flex>| -> Vec<u16> {
+            let parts = match d {
+                Pre::Plain(d) | Pre::Fused(d) => vec![d.clone()],
+                Pre::Gated(dg, du) => vec![dg.clone(), du.clone()],
+            };
+            parts
+                .into_iter()
+                .flat_map(|d| d.into_data().try_to_vec::<burn::tensor::bf16>().unwrap())
+                .map(|v| v.to_bits())
+                .collect()
+        };
+        let sums = |s: Option<FlexTensor>| s.unwrap().into_data().try_to_vec::<f32>().unwrap();
+        // The address of the buffer that holds `a`, `g` or `[g | u]` (or d(pre)).
+        let buffer = |pre: &Pre<Flex>| match pre {
+            Pre::Plain(t) | Pre::Fused(t) | Pre::Gated(t, _) => {
+                std::sync::Arc::as_ptr(&t.data_arc()) as usize
+            }
+        };
+        for ((act, pre), kind) in cases.into_iter().zip(["plain", "gated", "fused"]) {
+            let call = |pre| {
+                <Flex as Kernels>::ffn_down_backward_operand(
+                    &dy,
+                    &w_down,
+                    pre,
+                    act,
+                    Precision::Bf16,
+                    true,
+                )
+                .unwrap_or_else(|_| panic!("{kind}: declined"))
+            };
+            let host = buffer(&pre);
+            // Shared with `pre` here: written apart; then held alone: written over it.
+            let (apart, apart_sums) = call(pre.clone());
+            let (d, d_sums) = call(pre);
+            assert_ne!(buffer(&apart), host, "{kind}");
+            assert_eq!(buffer(&d), host, "{kind}");
+            assert_eq!(values(&d), values(&apart), "{kind}");
+            assert_eq!(sums(d_sums), sums(apart_sums), "{kind}");
+        }
     }
 
     /// The op's rounding to bf16 on Flex (parallel, vectorised) is burn's cast bit for bit, over

@@ -243,23 +243,23 @@ pub(crate) fn backward_pass<B: Kernels>(
         // the unrounded values: from dh as its blocks come out of the product where the
         // backend can (no dropout mask between them), else from the whole dh.
         let sums = need.b_gate || need.b_up;
+        // `pre_r` is moved in and freed (or overwritten by d(pre)) as soon as it is used.
         let fused = match &w.mask {
             None => B::ffn_down_backward_operand(
                 &dy_r,
                 &w.w_down,
-                &pre_r,
+                pre_r,
                 spec.activation,
                 spec.precision,
                 sums,
             ),
-            Some(_) => None,
+            Some(_) => Err(pre_r),
         };
-        let (dpre, sums) = fused.unwrap_or_else(|| {
+        let (dpre, sums) = fused.unwrap_or_else(|pre_r| {
             let dh = B::ffn_matmul(dy_r, t::<B>(w.w_down.clone()));
             let dh = masked::<B>(dh, &w.mask, (!whole).then_some(r));
             B::ffn_hidden_backward_operand(dh, &pre_r, spec.activation, spec.precision, sums)
         });
-        drop(pre_r);
         let projections = match dpre {
             Pre::Plain(da) | Pre::Fused(da) => vec![(da, 1)],
             Pre::Gated(dg, du) => vec![(dg, 0), (du, 1)],

@@ -266,17 +266,19 @@ pub trait Kernels: Backend {
 
     /// `dh = dy W_downᵀ` and [`ffn_hidden_backward_operand`](Self::ffn_hidden_backward_operand)
     /// of it in one pass where a backend can, each block of `dh`'s rows turned into `d(pre)` as
-    /// it comes out of the product, so that `dh` is never whole in memory. `None` (the
-    /// default) where it cannot; the caller then composes the two.
+    /// it comes out of the product, so that `dh` is never whole in memory. It takes the
+    /// pre-activations, which it may overwrite with `d(pre)`. `Err(pre)` (the default) where it
+    /// cannot; the caller then composes the two.
+    #[allow(clippy::type_complexity)]
     fn ffn_down_backward_operand(
         _dy: &FloatTensor<Self>,
         _w_down: &FloatTensor<Self>,
-        _pre: &Pre<Self>,
+        pre: Pre<Self>,
         _activation: Activation,
         _precision: Precision,
         _sums: bool,
-    ) -> Option<(Pre<Self>, Option<FloatTensor<Self>>)> {
-        None
+    ) -> Result<(Pre<Self>, Option<FloatTensor<Self>>), Pre<Self>> {
+        Err(pre)
     }
 
     /// [`ffn_hidden_backward`](Self::ffn_hidden_backward) as the products' operands in
