@@ -165,9 +165,9 @@ pub unsafe fn gemm_then(
     let threads = rayon::current_num_threads().max(1);
     let blocks = m.div_ceil(M_BLOCK).next_multiple_of(threads);
     let m_block = m.div_ceil(blocks).next_multiple_of(MR);
-    // This thread's buffer for the packed `B`, kept from one call to the next (a product called
-    // while another runs on this thread, as rayon may do, makes its own): `pack_b` writes every
-    // lane of it that the tiles read, so what an earlier call left is never read.
+    // The packed `B`, one `K` block at a time, freed when the product ends: kept from one
+    // product to the next it would be up to `n × K_BLOCK` bf16 held through the whole step
+    // (4 MiB at d_ff 2048), at its memory peak too. A fresh allocation costs nothing measurable.
     let len = panels * NR * k.min(K_BLOCK).div_ceil(2);
     let mut packed_b = vec![0u32; len];
     for k0 in (0..k).step_by(K_BLOCK) {
@@ -294,8 +294,6 @@ pub unsafe fn gemm_then(
 }
 
 thread_local! {
-    /// Each thread's buffer for a packed `B` (at most `n × K_BLOCK` bf16).
-    static PACKED_B: std::cell::Cell<Vec<u32>> = const { std::cell::Cell::new(Vec::new()) };
     /// Each thread's buffer for packed panels of `A` (at most `M_BLOCK × K_BLOCK` bf16).
     static PACKED_A: std::cell::RefCell<Vec<u32>> = const { std::cell::RefCell::new(Vec::new()) };
 }

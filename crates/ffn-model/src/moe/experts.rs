@@ -254,7 +254,7 @@ impl<B: Kernels, const N: usize> Backward<B, N> for ExpertsBackward {
             backward_pass::<B>(
                 &rows::<B>(&x, &group.rows),
                 rows::<B>(&dy, &group.rows),
-                &expert_weights::<B>(&w, group.expert),
+                expert_weights::<B>(&w, group.expert),
                 group.pre.clone(),
                 group.h.clone(),
                 spec,

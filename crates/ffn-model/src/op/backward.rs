@@ -165,7 +165,7 @@ impl<B: Kernels, const N: usize> Backward<B, N> for FeedForwardBackward {
         let parents = present.parents(ops.parents).map(|n| n.map(|n| n.id));
         #[cfg(test)]
         let spec = super::tests::maybe_break(spec);
-        backward_pass::<B>(&x, dy, &w, pre, h, spec, Need::of(&parents)).register(parents, grads);
+        backward_pass::<B>(&x, dy, w, pre, h, spec, Need::of(&parents)).register(parents, grads);
     }
 }
 
@@ -199,7 +199,7 @@ pub(crate) struct InputGrads<B: Backend> {
 pub(crate) fn backward_pass<B: Kernels>(
     x: &FloatTensor<B>,
     dy: FloatTensor<B>,
-    w: &Weights<B>,
+    w: Weights<B>,
     pre: Pre<B>,
     h: Option<FloatTensor<B>>,
     spec: Spec,
@@ -217,10 +217,21 @@ pub(crate) fn backward_pass<B: Kernels>(
     let ranges = chunks(&pre, spec.memory);
     let whole = ranges.len() == 1;
     let (mut pre, mut h) = (Some(pre), h);
+    // dy and W_down are freed after their last product (the last chunk's dh), not held
+    // through the products of d(pre) that follow.
+    let Weights {
+        w_gate,
+        w_up,
+        w_down,
+        mask,
+        ..
+    } = w;
+    let (mut dy, mut w_down) = (Some(dy), Some(w_down));
     let mut dw_down = None;
     let [mut dw, mut db] = [[None, None], [None, None]];
     let mut dx_parts = Vec::with_capacity(ranges.len());
-    for r in &ranges {
+    for (i, r) in ranges.iter().enumerate() {
+        let last = i + 1 == ranges.len();
         // The whole batch is moved, not viewed, so that it is freed as soon as it is used.
         let pre_r = if whole {
             pre.take().expect("one chunk")
@@ -228,14 +239,25 @@ pub(crate) fn backward_pass<B: Kernels>(
             pre.as_ref().expect("pre-activations").rows(r)
         };
         let (x_r, dy_r) = if whole {
-            (x.clone(), dy.clone())
+            (x.clone(), dy.take().expect("one chunk"))
         } else {
-            (rows_of::<B>(x, r), rows_of::<B>(&dy, r))
+            (
+                rows_of::<B>(x, r),
+                rows_of::<B>(dy.as_ref().expect("dy"), r),
+            )
         };
+        let w_down_r = if last {
+            w_down.take().expect("W_down")
+        } else {
+            w_down.clone().expect("W_down")
+        };
+        if last {
+            dy = None;
+        }
         if need.w_down {
             let h_r = match h.take() {
                 Some(h) => h,
-                None => hidden_operand::<B>(&pre_r, &w.mask, (!whole).then_some(r), spec),
+                None => hidden_operand::<B>(&pre_r, &mask, (!whole).then_some(r), spec),
             };
             accumulate::<B>(&mut dw_down, B::ffn_matmul(t::<B>(h_r), dy_r.clone()));
         }
@@ -244,10 +266,10 @@ pub(crate) fn backward_pass<B: Kernels>(
         // backend can (no dropout mask between them), else from the whole dh.
         let sums = need.b_gate || need.b_up;
         // `pre_r` is moved in and freed (or overwritten by d(pre)) as soon as it is used.
-        let fused = match &w.mask {
+        let fused = match &mask {
             None => B::ffn_down_backward_operand(
                 &dy_r,
-                &w.w_down,
+                &w_down_r,
                 pre_r,
                 spec.activation,
                 spec.precision,
@@ -255,11 +277,15 @@ pub(crate) fn backward_pass<B: Kernels>(
             ),
             Some(_) => Err(pre_r),
         };
-        let (dpre, sums) = fused.unwrap_or_else(|pre_r| {
-            let dh = B::ffn_matmul(dy_r, t::<B>(w.w_down.clone()));
-            let dh = masked::<B>(dh, &w.mask, (!whole).then_some(r));
-            B::ffn_hidden_backward_operand(dh, &pre_r, spec.activation, spec.precision, sums)
-        });
+        let (dpre, sums) = match fused {
+            Ok(fused) => fused,
+            Err(pre_r) => {
+                let dh = B::ffn_matmul(dy_r.clone(), t::<B>(w_down_r.clone()));
+                let dh = masked::<B>(dh, &mask, (!whole).then_some(r));
+                B::ffn_hidden_backward_operand(dh, &pre_r, spec.activation, spec.precision, sums)
+            }
+        };
+        drop((dy_r, w_down_r));
         let projections = match dpre {
             Pre::Plain(da) | Pre::Fused(da) => vec![(da, 1)],
             Pre::Gated(dg, du) => vec![(dg, 0), (du, 1)],
@@ -268,10 +294,10 @@ pub(crate) fn backward_pass<B: Kernels>(
         let mut dx_r: Option<FloatTensor<B>> = None;
         for (d, p) in projections {
             let (weight, need_w, need_b) = if p == 0 {
-                let w_gate = w.w_gate.as_ref().expect("a gated, unfused op has W_gate");
+                let w_gate = w_gate.as_ref().expect("a gated, unfused op has W_gate");
                 (w_gate, need.w_gate, need.b_gate)
             } else {
-                (&w.w_up, need.w_up, need.b_up)
+                (&w_up, need.w_up, need.b_up)
             };
             if need_b && let Some(sums) = &sums {
                 // Gated, unfused: [Σ dg | Σ du], this projection's half.
