@@ -123,6 +123,25 @@ fn operand(x: FlexTensor, bf16: bool) -> FlexTensor {
     new_tensor(rounded, shape)
 }
 
+/// An operand of [`operand`] as the backward pass keeps it: in bf16 (its values are bf16's
+/// already, so the cast is exact) when `bf16`.
+fn kept(x: FlexTensor, bf16: bool) -> FlexTensor {
+    use burn::backend::ops::FloatTensorOps;
+    if !bf16 || x.dtype() != DType::F32 {
+        return x;
+    }
+    <Flex as FloatTensorOps<Flex>>::float_cast(x, burn::tensor::FloatDType::BF16)
+}
+
+/// A kept operand as the kernels read it: f32 again (exactly) if kept in bf16, contiguous.
+fn widened(x: &FlexTensor) -> FlexTensor {
+    use burn::backend::ops::FloatTensorOps;
+    if x.dtype() != DType::BF16 {
+        return contiguous(x);
+    }
+    <Flex as FloatTensorOps<Flex>>::float_cast(x.clone(), burn::tensor::FloatDType::F32)
+}
+
 /// What the backward pass keeps.
 #[derive(Debug, Clone)]
 struct Saved {
@@ -173,6 +192,9 @@ impl<C: CheckpointStrategy> AttentionOps for Autodiff<Flex, C> {
         {
             OpsKind::Tracked(prep) => {
                 let (o, lse) = forward(&q, &k, &v, heads, bf16);
+                // In bf16 the rounded q, k, v are kept as bf16: the same values, half the
+                // memory (widened again, exactly, for the backward pass).
+                let [q, k, v] = [q, k, v].map(|x| kept(x, bf16));
                 let saved = Saved {
                     q,
                     k,
@@ -433,9 +455,9 @@ fn forward_sequence<E: Real, const FUSED: bool>(
 fn backward(s: &Saved, d_o: &FlexTensor) -> [FlexTensor; 3] {
     let d_o = contiguous(&operand(d_o.clone(), s.bf16));
     let (q, k, v, o, lse) = (
-        contiguous(&s.q),
-        contiguous(&s.k),
-        contiguous(&s.v),
+        widened(&s.q),
+        widened(&s.k),
+        widened(&s.v),
         contiguous(&s.o),
         contiguous(&s.lse),
     );
