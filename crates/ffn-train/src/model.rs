@@ -122,7 +122,12 @@ impl Block {
         #[cfg(feature = "flex")]
         if self.uses_op(&h) {
             let (a, precision) = (&self.attention, self.precision);
-            let [q, k, v] = projections([&a.query, &a.key, &a.value], h, precision);
+            let h = rounded_once(h, precision);
+            let (q, k, v) = (
+                linear(&a.query, h.clone(), precision),
+                linear(&a.key, h.clone(), precision),
+                linear(&a.value, h, precision),
+            );
             let o = crate::ops::attention::causal_attention(q, k, v, a.n_heads, precision);
             return linear(&a.output, o, precision);
         }
@@ -132,38 +137,15 @@ impl Block {
     }
 }
 
-/// `[h W_q + b_q, h W_k + b_k, h W_v + b_v]` as one product, `h [W_q | W_k | W_v] + [b_q | b_k |
-/// b_v]`, split by columns: one product of thrice the width runs faster than three, and in
-/// bf16 `h` is rounded, and kept for the backward pass, once rather than three times. (The
-/// weights are concatenated for each forward pass: `3 · d_model²` floats, small beside the
-/// activations; their gradients come back split through the concatenation.)
-fn projections<const N: usize>(
-    layers: [&Linear; N],
-    h: Tensor<3>,
-    precision: Precision,
-) -> [Tensor<3>; N] {
-    let biases: Vec<_> = layers
-        .iter()
-        .map(|l| l.bias.as_ref().map(Param::val))
-        .collect();
-    if biases.iter().any(Option::is_some) && biases.iter().any(Option::is_none) {
-        return layers.map(|l| linear(l, h.clone(), precision));
+/// `h` as the query, key and value projections take it: in bf16, rounded here once (each
+/// projection would round it, and keep its copy for the backward pass, itself: three copies),
+/// its gradient passed straight through to `h` as f32 (autodiff's cast). The same function: the
+/// projections take an operand already bf16 as it is.
+fn rounded_once(h: Tensor<3>, precision: Precision) -> Tensor<3> {
+    match precision {
+        Precision::Bf16 => h.cast(burn::tensor::DType::BF16),
+        Precision::F32 => h,
     }
-    let bias = biases.into_iter().collect::<Option<Vec<_>>>();
-    let widths = layers.map(|l| l.weight.dims()[1]);
-    let joint = Linear {
-        weight: Param::initialized(
-            ParamId::new(),
-            Tensor::cat(layers.iter().map(|l| l.weight.val()).collect(), 1),
-        ),
-        bias: bias.map(|b| Param::initialized(ParamId::new(), Tensor::cat(b, 0))),
-    };
-    let y = linear(&joint, h, precision);
-    let mut start = 0;
-    widths.map(|width| {
-        start += width;
-        y.clone().narrow(2, start - width, width)
-    })
 }
 
 /// The causal mask `[batch, T, T]` (true above the diagonal: position `i` attends to `j ≤ i`
@@ -522,38 +504,40 @@ mod tests {
         (model, device)
     }
 
-    /// The joint query, key and value product equals the three layers applied one by one: the
-    /// outputs, the input's gradient and every weight's and bias's gradient, in f32 and in
-    /// bf16 (where each separate layer rounds `h` itself), with biases, without, and mixed (then
-    /// taken one by one).
+    /// Three projections of one input rounded once (`rounded_once`) are the projections of the
+    /// f32 input, each rounding it: the outputs and the gradients of the input, the weights and
+    /// the biases, to f32 reordering, in bf16 and in f32.
     #[test]
-    fn joint_projections_are_the_three_layers() {
+    fn an_input_rounded_once_is_what_each_projection_would_round() {
         use burn::tensor::Distribution;
         let device = Device::flex().autodiff();
-        for (precision, bias) in [
-            (Precision::F32, [true; 3]),
-            (Precision::Bf16, [true; 3]),
-            (Precision::Bf16, [false; 3]),
-            (Precision::F32, [true, false, true]),
-        ] {
+        for precision in [Precision::Bf16, Precision::F32] {
             device.seed(3);
-            let layers = bias.map(|b| LinearConfig::new(12, 8).with_bias(b).init(&device));
+            let layers =
+                [true, false, true].map(|b| LinearConfig::new(12, 8).with_bias(b).init(&device));
             let h = Tensor::<3>::random([2, 5, 12], Distribution::Default, &device);
             let g = Tensor::<3>::random([2, 5, 24], Distribution::Default, &device);
-            let run = |joint: bool| {
+            let run = |once: bool| {
                 let h = h.clone().detach().require_grad();
-                let [a, b, c] = layers.each_ref();
-                let y = if joint {
-                    projections([a, b, c], h.clone(), precision)
+                let input = if once {
+                    rounded_once(h.clone(), precision)
                 } else {
-                    [a, b, c].map(|l| linear(l, h.clone(), precision))
+                    h.clone()
                 };
-                let y = Tensor::cat(y.to_vec(), 2);
+                let y = Tensor::cat(
+                    layers
+                        .iter()
+                        .map(|l| linear(l, input.clone(), precision))
+                        .collect(),
+                    2,
+                );
                 let grads = (y.clone() * g.clone()).sum().backward();
                 fn values<const D: usize>(t: Tensor<D>) -> Vec<f32> {
                     t.into_data().convert::<f32>().try_into_vec().unwrap()
                 }
-                let mut all = vec![values(y.inner()), values(h.grad(&grads).unwrap())];
+                let dh = h.grad(&grads).unwrap();
+                assert_eq!(dh.dtype(), burn::tensor::DType::F32);
+                let mut all = vec![values(y.inner()), values(dh)];
                 for l in &layers {
                     all.push(values(l.weight.grad(&grads).unwrap()));
                     if let Some(b) = &l.bias {
@@ -562,15 +546,15 @@ mod tests {
                 }
                 all
             };
-            let (joint, apart) = (run(true), run(false));
-            assert_eq!(joint.len(), apart.len());
-            for (j, a) in joint.iter().zip(&apart) {
-                let worst = j
+            let (once, each) = (run(true), run(false));
+            assert_eq!(once.len(), each.len());
+            for (o, e) in once.iter().zip(&each) {
+                let worst = o
                     .iter()
-                    .zip(a)
-                    .map(|(j, a)| (j - a).abs())
+                    .zip(e)
+                    .map(|(o, e)| (o - e).abs())
                     .fold(0f32, f32::max);
-                assert!(worst <= 1e-5, "{precision:?} {bias:?}: {worst:e}");
+                assert!(worst <= 1e-5, "{precision:?}: {worst:e}");
             }
         }
     }
