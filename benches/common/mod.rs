@@ -139,7 +139,6 @@ pub fn step_memory<M: Module>(
     [tokens, d_model]: [usize; 2],
     device: &Device,
 ) -> StepPeak {
-    use std::sync::atomic::Ordering::Relaxed;
     let normal = || Tensor::<2>::random([tokens, d_model], Distribution::Normal(0.0, 1.0), device);
     let (x, g) = (normal().require_grad(), normal());
     let _: f32 = (x.clone().sum() + g.clone().sum()).into_scalar();
@@ -147,22 +146,32 @@ pub fn step_memory<M: Module>(
     let mut optim = AdamWConfig::new().init();
     let before = status_mib("VmRSS:");
     std::fs::write("/proc/self/clear_refs", "5").expect("reset the RSS high-water mark");
-    let live_before = LIVE.load(Relaxed);
-    HIGH.store(live_before, Relaxed);
-    for _ in 0..3 {
-        let grads = (forward(&model, x.clone()) * g.clone()).sum().backward();
-        let _: f32 = x.grad(&grads).expect("dx").sum().into_scalar();
-        let grads = GradientsParams::from_grads(grads, &model);
-        model = optim.step(1e-4, model, grads);
-        read_every_parameter(&model);
-    }
+    let ((), allocated) = peak_allocated(|| {
+        for _ in 0..3 {
+            let grads = (forward(&model, x.clone()) * g.clone()).sum().backward();
+            let _: f32 = x.grad(&grads).expect("dx").sum().into_scalar();
+            let grads = GradientsParams::from_grads(grads, &model);
+            model = optim.step(1e-4, model, grads);
+            read_every_parameter(&model);
+        }
+    });
     let peak = status_mib("VmHWM:");
-    let mib = |bytes: usize| bytes as f64 / (1 << 20) as f64;
     StepPeak {
         rss: peak - before,
         rss_total: peak,
-        allocated: mib(HIGH.load(Relaxed).saturating_sub(live_before)),
+        allocated,
     }
+}
+
+/// Runs `work` and returns its result with the peak of live allocations while it ran, above
+/// those live when it started, in MiB.
+pub fn peak_allocated<T>(work: impl FnOnce() -> T) -> (T, f64) {
+    use std::sync::atomic::Ordering::Relaxed;
+    let live_before = LIVE.load(Relaxed);
+    HIGH.store(live_before, Relaxed);
+    let out = work();
+    let bytes = HIGH.load(Relaxed).saturating_sub(live_before);
+    (out, bytes as f64 / (1 << 20) as f64)
 }
 
 /// Reads every float parameter of `model`, which draws those not yet drawn (burn initialises
@@ -178,7 +187,7 @@ fn read_every_parameter<M: Module>(model: &M) {
 }
 
 /// Runs this benchmark again with `args` (a `--memory-child` invocation) in a fresh process;
-/// returns the JSON line it printed, as text and parsed.
+/// returns the JSON line it printed last, as text and parsed.
 pub fn memory_child_row(args: &[String]) -> (String, serde_json::Value) {
     let me = std::env::current_exe().expect("this benchmark's path");
     let out = std::process::Command::new(me)
@@ -190,7 +199,9 @@ pub fn memory_child_row(args: &[String]) -> (String, serde_json::Value) {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let line = String::from_utf8(out.stdout).expect("UTF-8");
+    let stdout = String::from_utf8(out.stdout).expect("UTF-8");
+    // The JSON object is the last line (what the measured work prints comes before it).
+    let line = format!("{}\n", stdout.trim_end().lines().last().unwrap_or_default());
     let row = serde_json::from_str(line.trim()).expect("JSON");
     (line, row)
 }
