@@ -123,23 +123,33 @@ fn operand(x: FlexTensor, bf16: bool) -> FlexTensor {
     new_tensor(rounded, shape)
 }
 
-/// An operand of [`operand`] as the backward pass keeps it: in bf16 (its values are bf16's
-/// already, so the cast is exact) when `bf16`.
+/// An operand of [`operand`] as the backward pass keeps it: in bf16 when `bf16` (its values
+/// are bf16's already, so dropping the low half of each f32 is exact).
 fn kept(x: FlexTensor, bf16: bool) -> FlexTensor {
-    use burn::backend::ops::FloatTensorOps;
     if !bf16 || x.dtype() != DType::F32 {
         return x;
     }
-    <Flex as FloatTensorOps<Flex>>::float_cast(x, burn::tensor::FloatDType::BF16)
+    let x = contiguous(&x);
+    let shape = x.layout().shape().clone();
+    let halves: Vec<burn::tensor::bf16> = x.storage::<f32>()[..shape.num_elements()]
+        .par_iter()
+        .map(|&e| burn::tensor::bf16::from_bits((e.to_bits() >> 16) as u16))
+        .collect();
+    FlexTensor::from_data(burn::tensor::TensorData::new(halves, shape))
 }
 
 /// A kept operand as the kernels read it: f32 again (exactly) if kept in bf16, contiguous.
 fn widened(x: &FlexTensor) -> FlexTensor {
-    use burn::backend::ops::FloatTensorOps;
     if x.dtype() != DType::BF16 {
         return contiguous(x);
     }
-    <Flex as FloatTensorOps<Flex>>::float_cast(x.clone(), burn::tensor::FloatDType::F32)
+    let x = contiguous(x);
+    let shape = x.layout().shape().dims::<3>();
+    let wide = x.storage::<burn::tensor::bf16>()[..shape.iter().product()]
+        .par_iter()
+        .map(|h| f32::from_bits(u32::from(h.to_bits()) << 16))
+        .collect();
+    new_tensor(wide, shape)
 }
 
 /// What the backward pass keeps.
