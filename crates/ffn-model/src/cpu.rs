@@ -860,6 +860,16 @@ pub(crate) mod tests {
         out
     }
 
+    /// `len` values on [-2, 2) from a linear congruential generator at `seed` (advanced).
+    fn uniform(seed: &mut u32, len: usize) -> Vec<f32> {
+        (0..len)
+            .map(|_| {
+                *seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+                (*seed >> 8) as f32 / (1u32 << 24) as f32 * 4.0 - 2.0
+            })
+            .collect()
+    }
+
     /// `d(pre)` from the fused backward pass is written over the pre-activations when they are
     /// held alone (the same buffer comes back, as bf16 rows in the f32 rows' place), and is
     /// then bit for bit the `d(pre)` written to a buffer of its own (pre-activations shared):
@@ -872,23 +882,16 @@ pub(crate) mod tests {
         }
         let (m, k, f) = (29, 40, 37);
         let mut seed = 5u32;
-        let mut normal = |len: usize| -> Vec<f32> {
-            (0..len)
-                .map(|_| {
-                    seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
-                    (seed >> 8) as f32 / (1u32 << 24) as f32 * 4.0 - 2.0
-                })
-                .collect()
-        };
+        let mut draw = |len: usize| uniform(&mut seed, len);
         let f32_tensor =
             |v: Vec<f32>, shape: [usize; 2]| FlexTensor::from_data(TensorData::new(v, shape));
         let round = |t: FlexTensor| {
             use burn::backend::ops::FloatTensorOps;
             <Flex as FloatTensorOps<Flex>>::float_cast(t, burn::tensor::FloatDType::BF16)
         };
-        let dy = round(f32_tensor(normal(m * k), [m, k]));
-        let w_down = round(f32_tensor(normal(f * k), [f, k]));
-        let (a, g, u) = (normal(m * f), normal(m * f), normal(m * f));
+        let dy = round(f32_tensor(draw(m * k), [m, k]));
+        let w_down = round(f32_tensor(draw(f * k), [f, k]));
+        let (a, g, u) = (draw(m * f), draw(m * f), draw(m * f));
         let gu: Vec<f32> = g
             .chunks(f)
             .zip(u.chunks(f))
@@ -994,14 +997,7 @@ pub(crate) mod tests {
         use burn::tensor::{FloatDType, TensorData};
         let (m, n, k) = (37, 45, 300);
         let mut seed = 11u32;
-        let mut values = |len: usize| -> Vec<f32> {
-            (0..len)
-                .map(|_| {
-                    seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
-                    (seed >> 8) as f32 / (1u32 << 24) as f32 * 4.0 - 2.0
-                })
-                .collect()
-        };
+        let mut values = |len: usize| uniform(&mut seed, len);
         let (a, b) = (values(m * k), values(k * n));
         let rounded = |v: &[f32]| v.iter().map(|&x| bf16::widen(bf16::round(x))).collect();
         let (ra, rb): (Vec<f32>, Vec<f32>) = (rounded(&a), rounded(&b));
