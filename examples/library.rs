@@ -44,7 +44,11 @@ impl ResidualFfn {
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
+    #[cfg(any(feature = "flex", feature = "ndarray"))]
     let device = ffn::cpu();
+    // A build with a GPU backend only: burn's default device is that GPU.
+    #[cfg(not(any(feature = "flex", feature = "ndarray")))]
+    let device = Device::default();
     let config = ResidualFfnConfig {
         d_model: 64,
         ffn: FeedForwardConfig::preset(Variant::GeGlu, 64).with_dropout(0.1),

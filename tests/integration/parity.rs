@@ -30,7 +30,7 @@ const D_MODEL: usize = 16;
 /// `(name, device, tolerance)` for every compiled backend.
 #[allow(deprecated)] // Device::ndarray: deprecated upstream, still a supported backend here.
 fn backends() -> Vec<(&'static str, Device, f64)> {
-    let backends = [
+    let backends: [Option<(&str, Device, f64)>; _] = [
         #[cfg(feature = "flex")]
         Some(("flex", Device::flex(), 1e-5)),
         #[cfg(feature = "ndarray")]

@@ -38,24 +38,22 @@ pub fn device(name: Option<&str>) -> Result<Device> {
                 "this build has no backend: enable the `flex` or `ndarray` feature".into(),
             )
         })?;
-    let device = match name {
+    let device: Result<Device> = match name {
         #[cfg(feature = "flex")]
-        "flex" => Device::flex(),
+        "flex" => Ok(Device::flex()),
         #[cfg(feature = "ndarray")]
         #[allow(deprecated)]
-        "ndarray" => Device::ndarray(),
+        "ndarray" => Ok(Device::ndarray()),
         #[cfg(feature = "wgpu")]
-        "wgpu" => wgpu()?,
+        "wgpu" => wgpu(),
         #[cfg(feature = "cuda")]
-        "cuda" => cuda()?,
-        other => {
-            return Err(Error::Device(format!(
-                "unknown or not compiled device `{other}`; this build has: {}",
-                DEVICES.join(", ")
-            )));
-        }
+        "cuda" => cuda(),
+        other => Err(Error::Device(format!(
+            "unknown or not compiled device `{other}`; this build has: {}",
+            DEVICES.join(", ")
+        ))),
     };
-    Ok(device.autodiff())
+    Ok(device?.autodiff())
 }
 
 /// A device as a person reads it: `flex (CPU)`, `wgpu (GPU)`, `cuda (NVIDIA GPU)`.

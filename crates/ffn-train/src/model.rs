@@ -101,18 +101,11 @@ impl Block {
 impl Block {
     /// Whether the attention op computes this block's attention of `x` (Flex, no attention
     /// dropout, plain softmax); else burn's `MultiHeadAttention` does, with the mask.
+    #[cfg(feature = "flex")]
     fn uses_op(&self, x: &Tensor<3>) -> bool {
-        #[cfg(feature = "flex")]
-        {
-            crate::ops::attention::supported(x)
-                && self.attention.dropout.prob == 0.0
-                && !self.attention.quiet_softmax
-        }
-        #[cfg(not(feature = "flex"))]
-        {
-            let _ = x;
-            false
-        }
+        crate::ops::attention::supported(x)
+            && self.attention.dropout.prob == 0.0
+            && !self.attention.quiet_softmax
     }
 
     /// Causal self-attention of `h`, through the op where it runs: its projections and products
@@ -141,6 +134,7 @@ impl Block {
 /// projection would round it, and keep its copy for the backward pass, itself: three copies),
 /// its gradient passed straight through to `h` as f32 (autodiff's cast). The same function: the
 /// projections take an operand already bf16 as it is.
+#[cfg(feature = "flex")]
 fn rounded_once(h: Tensor<3>, precision: Precision) -> Tensor<3> {
     match precision {
         Precision::Bf16 => h.cast(burn::tensor::DType::BF16),
@@ -507,6 +501,7 @@ mod tests {
     /// Three projections of one input rounded once (`rounded_once`) are the projections of the
     /// f32 input, each rounding it: the outputs and the gradients of the input, the weights and
     /// the biases, to f32 reordering, in bf16 and in f32.
+    #[cfg(feature = "flex")]
     #[test]
     fn an_input_rounded_once_is_what_each_projection_would_round() {
         use burn::tensor::Distribution;

@@ -57,12 +57,11 @@ pub fn shards(config: &TrainConfig, device: &Device) -> usize {
 
 /// Whether `device` is one of the CPU backends.
 fn is_cpu(device: &Device) -> bool {
-    use burn::backend::DispatchDevice;
     match device.clone().without_autodiff().as_dispatch() {
         #[cfg(feature = "flex")]
-        DispatchDevice::Flex(_) => true,
+        burn::backend::DispatchDevice::Flex(_) => true,
         #[cfg(feature = "ndarray")]
-        DispatchDevice::NdArray(_) => true,
+        burn::backend::DispatchDevice::NdArray(_) => true,
         #[allow(unreachable_patterns)]
         _ => false,
     }
