@@ -13,17 +13,19 @@
 //!
 //! ```text
 //! forward                                   backward (given dO = ∂L/∂O)
-//! s_ij = q_i · k_j / √dₕ                    D_i   = dO_i · O_i
-//! ℓ_i  = log Σ_{j≤i} exp(s_ij)              p_ij  = exp(s_ij − ℓ_i)        (recomputed)
-//! p_ij = exp(s_ij − ℓ_i)                    ds_ij = p_ij (dO_i · v_j − D_i)
-//! O_i  = Σ_{j≤i} p_ij v_j                   dq_i  = Σ_j ds_ij k_j / √dₕ
+//! s_ij = q_i · k_j / √dₕ                    p_ij  = exp(s_ij − ℓ_i)        (recomputed)
+//! ℓ_i  = log Σ_{j≤i} exp(s_ij)              dp_ij = dO_i · v_j
+//! p_ij = exp(s_ij − ℓ_i)                    D_i   = Σ_{j≤i} p_ij dp_ij     (= dO_i · O_i)
+//! O_i  = Σ_{j≤i} p_ij v_j                   ds_ij = p_ij (dp_ij − D_i)
+//!                                           dq_i  = Σ_j ds_ij k_j / √dₕ
 //!                                           dk_j  = Σ_i ds_ij q_i / √dₕ
 //!                                           dv_j  = Σ_i p_ij dO_i
 //! ```
 //!
-//! (FlashAttention's backward, Dao et al. 2022: `Σ_j p_ij dp_ij = dO_i · O_i`, so the softmax's
-//! backward needs no second pass over the row.) The op keeps `q, k, v, O` and the row log-sum-exps
-//! `ℓ` (`[batch, heads, T]`), not the `[batch, heads, T, T]` probabilities.
+//! (FlashAttention's backward, Dao et al. 2022, which takes `D_i` as `dO_i · O_i`; here it is
+//! summed from the row of `dP` the backward pass computes anyway, so `O` need not be kept.) The
+//! op keeps `q, k, v` and the row log-sum-exps `ℓ` (`[batch, heads, T]`): not `O`, nor the
+//! `[batch, heads, T, T]` probabilities.
 //!
 //! It reads the heads straight out of the `[batch, T, heads·dₕ]` projections and writes its
 //! output in that layout, so no transposing copy is made either way. Per sequence and head the
@@ -77,7 +79,8 @@ pub fn supported(x: &Tensor<3>) -> bool {
 /// In [`Precision::Bf16`] (of an f32 network) the products take bf16 operands, as the FFN
 /// op's do: `S = bf16(Q) bf16(K)ᵀ`, `O = bf16(P) bf16(V)`, and in the backward pass `dP =
 /// bf16(dO) bf16(V)ᵀ`, `dQ = bf16(dS) bf16(K)`, `dK = bf16(dS)ᵀ bf16(Q)`, `dV = bf16(P)ᵀ
-/// bf16(dO)`, every sum in f32. The softmax, `ℓ`, `D` and `dS = P ⊙ (dP − D)/√dₕ` stay f32.
+/// bf16(dO)`, every sum in f32. The softmax, `ℓ`, `D = Σ_j bf16(p_ij) dp_ij` (`= dO · O`, `O`
+/// being `bf16(P) bf16(V)`) and `dS = P ⊙ (dP − D)/√dₕ` stay f32.
 /// (The per-head products are small, `T × dₕ`: they run on the f32 kernels, on the rounded
 /// values, which is the same function.)
 pub fn causal_attention(
@@ -158,7 +161,6 @@ struct Saved {
     q: FlexTensor,
     k: FlexTensor,
     v: FlexTensor,
-    o: FlexTensor,
     lse: FlexTensor,
     heads: usize,
     bf16: bool,
@@ -209,7 +211,6 @@ impl<C: CheckpointStrategy> AttentionOps for Autodiff<Flex, C> {
                     q,
                     k,
                     v,
-                    o: o.clone(),
                     lse,
                     heads,
                     bf16,
@@ -464,24 +465,17 @@ fn forward_sequence<E: Real, const FUSED: bool>(
 /// `[dq, dk, dv]`, each `[batch, T, d]`.
 fn backward(s: &Saved, d_o: &FlexTensor) -> [FlexTensor; 3] {
     let d_o = contiguous(&operand(d_o.clone(), s.bf16));
-    let (q, k, v, o, lse) = (
+    let (q, k, v, lse) = (
         widened(&s.q),
         widened(&s.k),
         widened(&s.v),
-        contiguous(&s.o),
         contiguous(&s.lse),
     );
     let dims = Dims::of(&q, s.heads, s.bf16);
     macro_rules! typed {
         ($e:ty) => {
             backward_typed::<$e>(
-                [
-                    q.storage(),
-                    k.storage(),
-                    v.storage(),
-                    o.storage(),
-                    d_o.storage(),
-                ],
+                [q.storage(), k.storage(), v.storage(), d_o.storage()],
                 lse.storage(),
                 dims,
             )
@@ -495,7 +489,7 @@ fn backward(s: &Saved, d_o: &FlexTensor) -> [FlexTensor; 3] {
 }
 
 fn backward_typed<E: Real>(
-    [q, k, v, o, d_o]: [&[E]; 5],
+    [q, k, v, d_o]: [&[E]; 4],
     lse: &[E],
     (batch, dims): (usize, Dims),
 ) -> [FlexTensor; 3] {
@@ -509,13 +503,7 @@ fn backward_typed<E: Real>(
         .enumerate()
         .for_each(|(b, ((dq, dk), dv))| {
             let r = b * n..(b + 1) * n;
-            let inputs = [
-                &q[r.clone()],
-                &k[r.clone()],
-                &v[r.clone()],
-                &o[r.clone()],
-                &d_o[r],
-            ];
+            let inputs = [&q[r.clone()], &k[r.clone()], &v[r.clone()], &d_o[r]];
             let lse = &lse[b * heads * t..(b + 1) * heads * t];
             dispatch!(backward_sequence(inputs, lse, dims, [dq, dk, dv]));
         });
@@ -526,7 +514,7 @@ fn backward_typed<E: Real>(
 /// `dS = P ⊙ (dP − D)/√dₕ`, then `dQ = dS K`, `dK = dSᵀ Q`, `dV = Pᵀ dO`.
 #[inline(always)]
 fn backward_sequence<E: Real, const FUSED: bool>(
-    [q, k, v, o, d_o]: [&[E]; 5],
+    [q, k, v, d_o]: [&[E]; 4],
     lse: &[E],
     dims: Dims,
     [dq, dk, dv]: [&mut [E]; 3],
@@ -565,13 +553,16 @@ fn backward_sequence<E: Real, const FUSED: bool>(
             |_| (0, dh),
         );
         for i in 0..t {
-            let row = i * d + col..i * d + col + dh;
-            let d_i = dot(&d_o[row.clone()], &o[row]);
             let l_i = lse[h * t + i];
             let p = &mut w.p[i * tp..(i + 1) * tp];
             let ds = &mut w.ds[i * tp..(i + 1) * tp];
-            for (p, ds) in p[..=i].iter_mut().zip(&mut ds[..=i]) {
+            // D_i = Σ_j p̃_ij dP_ij, for p̃ the operand of O = P̃V (bf16(p) in bf16): equal to
+            // dO_i · O_i, without keeping O.
+            for p in &mut p[..=i] {
                 *p = (*p * scale - l_i).exp();
+            }
+            let d_i = row_dot(&p[..=i], &ds[..=i], bf16);
+            for (p, ds) in p[..=i].iter_mut().zip(&mut ds[..=i]) {
                 *ds = *p * (*ds - d_i) * scale;
                 if bf16 {
                     // As the operands of dV = Pᵀ dO and of dQ, dK.
@@ -616,10 +607,21 @@ fn backward_sequence<E: Real, const FUSED: bool>(
     }
 }
 
-/// `x · y`.
+/// `Σ_j x̃_j y_j` for `x̃ = bf16(x)` when `bf16`, else `x`: in `L` partial sums, which the
+/// compiler keeps in one vector register.
 #[inline(always)]
-fn dot<E: Real>(x: &[E], y: &[E]) -> E {
-    x.iter().zip(y).fold(E::ZERO, |s, (&a, &b)| s + a * b)
+fn row_dot<E: Real>(x: &[E], y: &[E], bf16: bool) -> E {
+    let operand = |x: E| if bf16 { x.bf16() } else { x };
+    let mut sums = [E::ZERO; L];
+    let (xs, ys) = (x.chunks_exact(L), y.chunks_exact(L));
+    let tail = xs.remainder().iter().zip(ys.remainder());
+    for (x, y) in xs.zip(ys) {
+        for l in 0..L {
+            sums[l] += operand(x[l]) * y[l];
+        }
+    }
+    let tail = tail.fold(E::ZERO, |s, (&x, &y)| s + operand(x) * y);
+    sums.into_iter().fold(tail, |s, x| s + x)
 }
 
 #[cfg(test)]
