@@ -90,10 +90,10 @@ pub struct Block {
 impl Block {
     /// `x ← x + Attention(LN(x))`, then `x ← x + FFN(LN(x))`.
     fn forward(&self, x: Tensor<3>, causal: &Causal, aux: &mut Aux) -> Tensor<3> {
-        let h = self.norm_attention.forward(x.clone());
+        let h = normalise(&self.norm_attention, x.clone());
         let attended = self.attend(h, causal);
         let x = x + attended;
-        let h = self.norm_ffn.forward(x.clone());
+        let h = normalise(&self.norm_ffn, x.clone());
         x + self.ffn.forward(h, aux)
     }
 }
@@ -128,6 +128,26 @@ impl Block {
             .forward(MhaInput::self_attn(h).mask_attn(causal.mask()))
             .context
     }
+}
+
+/// ε of the models' layer norms (burn's default, written out: the layer-norm op is given it, as
+/// burn keeps a norm's own ε private).
+const NORM_EPSILON: f64 = 1e-5;
+
+/// A layer norm over `d_model` values, with a bias.
+fn layer_norm(d_model: usize, device: &Device) -> LayerNorm {
+    LayerNormConfig::new(d_model)
+        .with_epsilon(NORM_EPSILON)
+        .init(device)
+}
+
+/// `norm(x)`: on Flex through the layer-norm op (`ops/layer_norm.rs`: one tensor kept for the
+/// backward pass instead of two, and two passes each way), elsewhere burn's `LayerNorm`.
+fn normalise<const D: usize>(norm: &LayerNorm, x: Tensor<D>) -> Tensor<D> {
+    #[cfg(feature = "flex")]
+    return crate::ops::layer_norm::layer_norm(norm, x, NORM_EPSILON);
+    #[cfg(not(feature = "flex"))]
+    norm.forward(x)
 }
 
 /// `h` as the query, key and value projections take it: in bf16, rounded here once (each
@@ -194,7 +214,7 @@ impl TransformerLm {
         for block in &self.blocks {
             x = block.forward(x, &causal, aux);
         }
-        linear(&self.head, self.norm.forward(x), self.precision)
+        linear(&self.head, normalise(&self.norm, x), self.precision)
     }
 }
 
@@ -234,7 +254,7 @@ impl WindowLm {
             })
             .collect();
         let x = linear(&self.input, Tensor::cat(columns, 2), self.precision);
-        let x = x.clone() + self.ffn.forward(self.norm.forward(x), aux);
+        let x = x.clone() + self.ffn.forward(normalise(&self.norm, x), aux);
         linear(&self.head, x, self.precision)
     }
 }
@@ -328,11 +348,11 @@ impl Model {
                 let blocks = (0..m.n_layers)
                     .map(|_| {
                         Ok(Block {
-                            norm_attention: LayerNormConfig::new(m.d_model).init(device),
+                            norm_attention: layer_norm(m.d_model, device),
                             attention: MultiHeadAttentionConfig::new(m.d_model, m.n_heads)
                                 .with_dropout(m.attention_dropout)
                                 .init(device),
-                            norm_ffn: LayerNormConfig::new(m.d_model).init(device),
+                            norm_ffn: layer_norm(m.d_model, device),
                             ffn: ffn()?,
                             precision,
                         })
@@ -342,7 +362,7 @@ impl Model {
                     token_embedding: EmbeddingConfig::new(vocab, m.d_model).init(device),
                     position_embedding: EmbeddingConfig::new(seq_len, m.d_model).init(device),
                     blocks,
-                    norm: LayerNormConfig::new(m.d_model).init(device),
+                    norm: layer_norm(m.d_model, device),
                     head: LinearConfig::new(m.d_model, vocab).init(device),
                     precision,
                 })
@@ -350,7 +370,7 @@ impl Model {
             ModelConfig::Window(m) => Model::Window(WindowLm {
                 embedding: EmbeddingConfig::new(vocab + 1, m.d_embed).init(device),
                 input: LinearConfig::new(m.window * m.d_embed, m.d_model).init(device),
-                norm: LayerNormConfig::new(m.d_model).init(device),
+                norm: layer_norm(m.d_model, device),
                 ffn: ffn()?,
                 head: LinearConfig::new(m.d_model, vocab).init(device),
                 window: m.window,
