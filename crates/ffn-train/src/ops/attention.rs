@@ -49,7 +49,7 @@ use burn_flex::FlexTensor;
 use ffn_model::Precision;
 use rayon::prelude::*;
 
-use super::kernel::{Real, contiguous, dispatch, new_tensor};
+use super::kernel::{Real, contiguous, dispatch, dot_by, new_tensor};
 
 /// The attention op. Call it through [`causal_attention`].
 #[backend_extension(Flex, Autodiff)]
@@ -561,7 +561,7 @@ fn backward_sequence<E: Real, const FUSED: bool>(
             for p in &mut p[..=i] {
                 *p = (*p * scale - l_i).exp();
             }
-            let d_i = row_dot(&p[..=i], &ds[..=i], bf16);
+            let d_i = dot_by(&p[..=i], &ds[..=i], |p| if bf16 { p.bf16() } else { p });
             for (p, ds) in p[..=i].iter_mut().zip(&mut ds[..=i]) {
                 *ds = *p * (*ds - d_i) * scale;
                 if bf16 {
@@ -605,23 +605,6 @@ fn backward_sequence<E: Real, const FUSED: bool>(
         );
         scatter(&w.out, dv);
     }
-}
-
-/// `Σ_j x̃_j y_j` for `x̃ = bf16(x)` when `bf16`, else `x`: in `L` partial sums, which the
-/// compiler keeps in one vector register.
-#[inline(always)]
-fn row_dot<E: Real>(x: &[E], y: &[E], bf16: bool) -> E {
-    let operand = |x: E| if bf16 { x.bf16() } else { x };
-    let mut sums = [E::ZERO; L];
-    let (xs, ys) = (x.chunks_exact(L), y.chunks_exact(L));
-    let tail = xs.remainder().iter().zip(ys.remainder());
-    for (x, y) in xs.zip(ys) {
-        for l in 0..L {
-            sums[l] += operand(x[l]) * y[l];
-        }
-    }
-    let tail = tail.fold(E::ZERO, |s, (&x, &y)| s + operand(x) * y);
-    sums.into_iter().fold(tail, |s, x| s + x)
 }
 
 #[cfg(test)]

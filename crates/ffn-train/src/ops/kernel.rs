@@ -19,6 +19,31 @@ pub(crate) fn new_tensor<E: Real>(data: Vec<E>, shape: [usize; 3]) -> FlexTensor
     FlexTensor::from_data(TensorData::new(data, Shape::new(shape)))
 }
 
+/// Partial sums of the reductions below: one AVX-512 register of f32.
+const LANES: usize = 16;
+
+/// `Σ_j x_j`, in [`LANES`] partial sums (a plain running sum is one chain that the compiler may
+/// not reorder, so it is never vectorised).
+#[inline(always)]
+pub(crate) fn sum<E: Real>(x: &[E]) -> E {
+    dot_by(x, x, |_| E::ONE)
+}
+
+/// `Σ_j f(x_j) y_j`, in [`LANES`] partial sums.
+#[inline(always)]
+pub(crate) fn dot_by<E: Real>(x: &[E], y: &[E], f: impl Fn(E) -> E) -> E {
+    let mut sums = [E::ZERO; LANES];
+    let (xs, ys) = (x.chunks_exact(LANES), y.chunks_exact(LANES));
+    let tail = xs.remainder().iter().zip(ys.remainder());
+    let tail = tail.fold(E::ZERO, |s, (&x, &y)| s + f(x) * y);
+    for (x, y) in xs.zip(ys) {
+        for l in 0..LANES {
+            sums[l] += f(x[l]) * y[l];
+        }
+    }
+    sums.into_iter().fold(tail, |s, x| s + x)
+}
+
 /// Calls `$f::<E, true>` compiled for AVX-512 (a tile row of `L` = 16 f32 in one register)
 /// or AVX2 + FMA, the widest the CPU has, else `$f::<E, false>` compiled for the baseline
 /// target.

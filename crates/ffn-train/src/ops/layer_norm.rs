@@ -32,7 +32,7 @@ use burn::tensor::{Shape, Tensor, TensorData};
 use burn_flex::FlexTensor;
 use rayon::prelude::*;
 
-use super::kernel::{Real, contiguous};
+use super::kernel::{Real, contiguous, dispatch, dot_by, sum};
 
 /// The layer-norm op. Call it through [`layer_norm`].
 #[backend_extension(Flex, Autodiff)]
@@ -125,25 +125,12 @@ fn forward_typed<E: Real>(
     let (mut y, mut x_hat, mut r) = (vec![E::ZERO; n], vec![E::ZERO; n], vec![E::ZERO; rows]);
     if d > 0 {
         let block = block_rows(d);
-        let scale = E::from_f64(1.0 / d as f64);
         y.par_chunks_mut(block * d)
             .zip(x_hat.par_chunks_mut(block * d))
             .zip(r.par_chunks_mut(block))
             .zip(x[..n].par_chunks(block * d))
             .for_each(|(((y, x_hat), r), x)| {
-                let rows = y.chunks_mut(d).zip(x_hat.chunks_mut(d)).zip(x.chunks(d));
-                for (((y, x_hat), x), r) in rows.zip(r) {
-                    let mean = sum(x) * scale;
-                    for (c, &x) in x_hat.iter_mut().zip(x) {
-                        *c = x - mean;
-                    }
-                    let variance = dot(x_hat, x_hat) * scale;
-                    *r = E::from_f64(1.0 / (variance.to_f64() + epsilon).sqrt());
-                    for (j, (c, y)) in x_hat.iter_mut().zip(y).enumerate() {
-                        *c = *c * *r;
-                        *y = *c * gamma[j] + beta[j];
-                    }
-                }
+                dispatch!(forward_rows(x, (gamma, beta), epsilon, y, x_hat, r));
             });
     }
     [
@@ -151,6 +138,35 @@ fn forward_typed<E: Real>(
         new_tensor(x_hat, shape.clone()),
         new_tensor(r, Shape::new([rows])),
     ]
+}
+
+/// A block of rows of `x` (`d = γ.len()` wide): `y`, `x̂` and `r` of each.
+/// (Compiled by [`dispatch`] for the CPU's widest vectors; no fused multiply-adds, so the
+/// results are the same bits on every CPU.)
+#[inline(always)]
+fn forward_rows<E: Real, const FUSED: bool>(
+    x: &[E],
+    (gamma, beta): (&[E], &[E]),
+    epsilon: f64,
+    y: &mut [E],
+    x_hat: &mut [E],
+    r: &mut [E],
+) {
+    let d = gamma.len();
+    let scale = E::from_f64(1.0 / d as f64);
+    let rows = y.chunks_mut(d).zip(x_hat.chunks_mut(d)).zip(x.chunks(d));
+    for (((y, x_hat), x), r) in rows.zip(r) {
+        let mean = sum(x) * scale;
+        for (c, &x) in x_hat.iter_mut().zip(x) {
+            *c = x - mean;
+        }
+        let variance = dot_by(x_hat, x_hat, |x| x) * scale;
+        *r = E::from_f64(1.0 / (variance.to_f64() + epsilon).sqrt());
+        for ((c, y), (&gamma, &beta)) in x_hat.iter_mut().zip(y).zip(gamma.iter().zip(beta)) {
+            *c = *c * *r;
+            *y = *c * gamma + beta;
+        }
+    }
 }
 
 /// `[dx, dγ, dβ]` for `dy`.
@@ -195,7 +211,6 @@ fn backward_typed<E: Real>(
         zeros()
     } else {
         let block = block_rows(d);
-        let scale = E::from_f64(1.0 / d as f64);
         dx.par_chunks_mut(block * d)
             .zip(dy[..n].par_chunks(block * d))
             .zip(x_hat[..n].par_chunks(block * d))
@@ -203,22 +218,8 @@ fn backward_typed<E: Real>(
             .fold(
                 zeros,
                 |(mut d_gamma, mut d_beta), (((dx, dy), x_hat), r)| {
-                    let rows = dx.chunks_mut(d).zip(dy.chunks(d)).zip(x_hat.chunks(d));
-                    for (((dx, dy), x_hat), &r) in rows.zip(r) {
-                        // dx holds g = dy ⊙ γ until it is overwritten below.
-                        for ((g, &dy), &gamma) in dx.iter_mut().zip(dy).zip(gamma) {
-                            *g = dy * gamma;
-                        }
-                        let mean_g = sum(dx) * scale;
-                        let mean_gx = dot(dx, x_hat) * scale;
-                        for (g, &x_hat) in dx.iter_mut().zip(x_hat) {
-                            *g = r * (*g - mean_g - x_hat * mean_gx);
-                        }
-                        for (j, (&dy, &x_hat)) in dy.iter().zip(x_hat).enumerate() {
-                            d_gamma[j] += dy * x_hat;
-                            d_beta[j] += dy;
-                        }
-                    }
+                    let sums = (d_gamma.as_mut_slice(), d_beta.as_mut_slice());
+                    dispatch!(backward_rows(dy, x_hat, r, gamma, dx, sums));
                     (d_gamma, d_beta)
                 },
             )
@@ -239,36 +240,35 @@ fn backward_typed<E: Real>(
     ]
 }
 
-/// `Σ x`, in sixteen partial sums (vectorised).
+/// A block of rows: `dx` of each, and `dy ⊙ x̂`, `dy` added into the sums of `dγ`, `dβ`.
 #[inline(always)]
-fn sum<E: Real>(x: &[E]) -> E {
-    let mut sums = [E::ZERO; 16];
-    let chunks = x.chunks_exact(16);
-    let tail = chunks.remainder().iter().fold(E::ZERO, |s, &x| s + x);
-    for x in chunks {
-        for l in 0..16 {
-            sums[l] += x[l];
+fn backward_rows<E: Real, const FUSED: bool>(
+    dy: &[E],
+    x_hat: &[E],
+    r: &[E],
+    gamma: &[E],
+    dx: &mut [E],
+    (d_gamma, d_beta): (&mut [E], &mut [E]),
+) {
+    let d = gamma.len();
+    let scale = E::from_f64(1.0 / d as f64);
+    let rows = dx.chunks_mut(d).zip(dy.chunks(d)).zip(x_hat.chunks(d));
+    for (((dx, dy), x_hat), &r) in rows.zip(r) {
+        // dx holds g = dy ⊙ γ until it is overwritten below.
+        for ((g, &dy), &gamma) in dx.iter_mut().zip(dy).zip(gamma) {
+            *g = dy * gamma;
+        }
+        let mean_g = sum(dx) * scale;
+        let mean_gx = dot_by(dx, x_hat, |g| g) * scale;
+        for (g, &x_hat) in dx.iter_mut().zip(x_hat) {
+            *g = r * (*g - mean_g - x_hat * mean_gx);
+        }
+        let sums = d_gamma.iter_mut().zip(d_beta.iter_mut());
+        for ((d_gamma, d_beta), (&dy, &x_hat)) in sums.zip(dy.iter().zip(x_hat)) {
+            *d_gamma += dy * x_hat;
+            *d_beta += dy;
         }
     }
-    sums.into_iter().fold(tail, |s, x| s + x)
-}
-
-/// `x · y`, in sixteen partial sums (vectorised).
-#[inline(always)]
-fn dot<E: Real>(x: &[E], y: &[E]) -> E {
-    let mut sums = [E::ZERO; 16];
-    let (xs, ys) = (x.chunks_exact(16), y.chunks_exact(16));
-    let tail = xs
-        .remainder()
-        .iter()
-        .zip(ys.remainder())
-        .fold(E::ZERO, |s, (&x, &y)| s + x * y);
-    for (x, y) in xs.zip(ys) {
-        for l in 0..16 {
-            sums[l] += x[l] * y[l];
-        }
-    }
-    sums.into_iter().fold(tail, |s, x| s + x)
 }
 
 fn new_tensor<E: Real>(data: Vec<E>, shape: Shape) -> FlexTensor {
