@@ -14,9 +14,9 @@ pub(crate) fn contiguous(x: &FlexTensor) -> FlexTensor {
     }
 }
 
-/// A `[batch, T, d]` tensor of `data` (row-major).
-pub(crate) fn new_tensor<E: Real>(data: Vec<E>, shape: [usize; 3]) -> FlexTensor {
-    FlexTensor::from_data(TensorData::new(data, Shape::new(shape)))
+/// A tensor of `data` (row-major) in `shape`.
+pub(crate) fn new_tensor<E: Real>(data: Vec<E>, shape: impl Into<Shape>) -> FlexTensor {
+    FlexTensor::from_data(TensorData::new(data, shape.into()))
 }
 
 /// Partial sums of the reductions below: one AVX-512 register of f32.

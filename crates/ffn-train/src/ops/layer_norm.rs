@@ -28,11 +28,11 @@ use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{Backend, DType, Flex, backend_extension};
 use burn::nn::LayerNorm;
-use burn::tensor::{Shape, Tensor, TensorData};
+use burn::tensor::{Shape, Tensor};
 use burn_flex::FlexTensor;
 use rayon::prelude::*;
 
-use super::kernel::{Real, contiguous, dispatch, dot_by, sum};
+use super::kernel::{Real, contiguous, dispatch, dot_by, new_tensor, sum};
 
 /// The layer-norm op. Call it through [`layer_norm`].
 #[backend_extension(Flex, Autodiff)]
@@ -90,6 +90,12 @@ fn forward(x: &FlexTensor, gamma: &FlexTensor, beta: &FlexTensor, epsilon: f64) 
     let x = contiguous(x);
     let (gamma, beta) = (contiguous(gamma), contiguous(beta));
     let shape = x.layout().shape().clone();
+    // The row loops take the width from γ.
+    assert_eq!(
+        shape.iter().last().copied(),
+        Some(gamma.layout().shape().num_elements()),
+        "layer_norm: the input's last dimension is not γ's length"
+    );
     macro_rules! typed {
         ($e:ty) => {{
             let [y, x_hat, r] = forward_typed::<$e>(
@@ -138,7 +144,7 @@ fn forward_typed<E: Real>(
     [
         new_tensor(y, shape.clone()),
         new_tensor(x_hat, shape.clone()),
-        new_tensor(r, Shape::new([rows])),
+        new_tensor(r, [rows]),
     ]
 }
 
@@ -237,8 +243,8 @@ fn backward_typed<E: Real>(
     };
     [
         new_tensor(dx, shape.clone()),
-        new_tensor(d_gamma, Shape::new([d])),
-        new_tensor(d_beta, Shape::new([d])),
+        new_tensor(d_gamma, [d]),
+        new_tensor(d_beta, [d]),
     ]
 }
 
@@ -271,10 +277,6 @@ fn backward_rows<E: Real, const FUSED: bool>(
             *d_beta += dy;
         }
     }
-}
-
-fn new_tensor<E: Real>(data: Vec<E>, shape: Shape) -> FlexTensor {
-    FlexTensor::from_data(TensorData::new(data, shape))
 }
 
 /// What the backward pass keeps.
@@ -329,7 +331,7 @@ impl<C: CheckpointStrategy> NormOps for Autodiff<Flex, C> {
 #[cfg(test)]
 mod tests {
     use burn::nn::LayerNormConfig;
-    use burn::tensor::{Device, Distribution};
+    use burn::tensor::{Device, Distribution, TensorData};
 
     use super::*;
 
