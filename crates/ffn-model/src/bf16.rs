@@ -20,6 +20,19 @@
 //! the same rounded products only by the order and rounding of the f32 additions; the fallback
 //! of CPUs without `avx512_bf16` ([`reference`], and the op's route through the f32 GEMM on
 //! operands rounded to bf16) computes the same function.
+//!
+//! ## Where it pays
+//!
+//! Twice the multiply-adds of an FMA holds where `vdpbf16ps` issues as often as the FMA: AMD
+//! Zen 4 and Zen 5 (two a cycle). Intel's server cores issue one a cycle, on one port, where
+//! they issue two f32 FMAs; the bf16 product then has no more multiply-adds per cycle than the
+//! f32 one and still pays for its rounding and packing. Measured on an Intel Xeon (Emerald
+//! Rapids, family 6 model 207, AMX not exposed), 2 threads, FFN forward + backward with the
+//! input's gradient: this kernel ran at 0.56× ffn's own f32 pass, and the widening fallback
+//! (rounded operands, the f32 SGEMM) at 0.75×; PyTorch's autocast there ran at 0.55× its f32.
+//! So [`chosen`] takes this kernel on CPUs with `avx512_bf16` except Intel's, and `FFN_BF16`
+//! (`kernel` or `widen`) overrides it. Either way the function is the same: only the order of
+//! the f32 sums differs.
 
 use rayon::prelude::*;
 
@@ -93,6 +106,59 @@ pub fn available() -> bool {
             && std::arch::is_x86_feature_detected!("avx512bw")
             && std::arch::is_x86_feature_detected!("avx512vl")
             && std::arch::is_x86_feature_detected!("avx512bf16")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// Whether bf16 products run on [`gemm`] here: the CPU can ([`available`]) and it pays there
+/// (module docs), or `FFN_BF16=kernel` asks for it. `false` means the rounded operands are
+/// widened to f32 and multiplied by the f32 product: the same function.
+pub fn chosen() -> bool {
+    choice().0
+}
+
+/// How bf16 products run here, as `ffn_model::cpu_kernels` says it.
+pub fn report() -> &'static str {
+    &choice().1
+}
+
+fn choice() -> &'static (bool, String) {
+    static CHOICE: std::sync::OnceLock<(bool, String)> = std::sync::OnceLock::new();
+    CHOICE.get_or_init(|| choose(available(), std::env::var("FFN_BF16").ok(), intel()))
+}
+
+/// What [`chosen`] and [`report`] say for a CPU that can run the kernel or not, an `FFN_BF16`
+/// setting and a vendor.
+fn choose(available: bool, setting: Option<String>, intel: bool) -> (bool, String) {
+    const KERNEL: &str = "ffn's avx512_bf16 kernel";
+    const WIDENED: &str = "rounded operands widened to f32";
+    if !available {
+        return (false, format!("{WIDENED} (no avx512_bf16)"));
+    }
+    let unknown = match setting.as_deref().map(str::trim) {
+        Some("kernel") => return (true, format!("{KERNEL} (FFN_BF16=kernel)")),
+        Some("widen") => return (false, format!("{WIDENED} (FFN_BF16=widen)")),
+        None | Some("") => String::new(),
+        Some(other) => format!("; FFN_BF16={other} ignored: kernel or widen"),
+    };
+    if intel {
+        let why = "on this Intel CPU the avx512_bf16 kernel is slower (one vdpbf16ps a cycle)";
+        (false, format!("{WIDENED}: {why}{unknown}"))
+    } else {
+        (true, format!("{KERNEL}{unknown}"))
+    }
+}
+
+/// Whether the CPU is Intel's (`GenuineIntel`).
+fn intel() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        // SAFETY: `cpuid` leaf 0 exists on every x86-64 CPU.
+        #[allow(unused_unsafe)]
+        let id = unsafe { std::arch::x86_64::__cpuid(0) };
+        let vendor = [id.ebx, id.edx, id.ecx].map(u32::to_le_bytes).concat();
+        vendor == b"GenuineIntel"
     }
     #[cfg(not(target_arch = "x86_64"))]
     false
@@ -729,6 +795,31 @@ pub unsafe fn reference(m: usize, n: usize, k: usize, a: Matrix, b: Matrix) -> V
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The kernel runs where the CPU can run it and it pays (not Intel), `FFN_BF16` overrides
+    /// that, a value it does not know is named and ignored, and a CPU without `avx512_bf16`
+    /// always widens.
+    #[test]
+    fn the_kernel_is_chosen_where_it_pays_and_ffn_bf16_overrides() {
+        let set = |v: &str| Some(v.to_string());
+        assert!(choose(true, None, false).0);
+        assert!(!choose(true, None, true).0);
+        assert!(choose(true, None, true).1.contains("Intel"));
+        assert!(choose(true, set("kernel"), true).0);
+        assert!(!choose(true, set("widen"), false).0);
+        assert!(choose(true, set(" "), false).0);
+        let (kernel, report) = choose(true, set("fast"), false);
+        assert!(
+            kernel && report.contains("FFN_BF16=fast ignored"),
+            "{report}"
+        );
+        for setting in [None, set("kernel"), set("widen")] {
+            for intel in [false, true] {
+                let (kernel, report) = choose(false, setting.clone(), intel);
+                assert!(!kernel && report.contains("no avx512_bf16"), "{report}");
+            }
+        }
+    }
 
     #[test]
     fn rounding_is_to_nearest_even_and_keeps_nan_and_infinity() {

@@ -17,14 +17,30 @@
 //! for an older one: OpenBLAS 0.3.21 (Debian 12) and 0.3.34 (PyPI) run their AVX2 (`Haswell`)
 //! kernels on AMD Zen 5, whose AVX-512 units then sit idle (its `cblas_sgemm` at about half the
 //! speed it reaches with its AVX-512 kernels, and 0.55–0.6× Flex's own AVX-512 product on the
-//! FFN: BENCHMARKS.md). So when the CPU has AVX-512 and the OpenBLAS found (not one named by
-//! `FFN_BLAS`) reports kernels without it, ffn passes it over and uses Flex's product, whose
-//! `gemm` crate chooses its kernels from the CPU's features. That holds whether OpenBLAS chose
+//! FFN: BENCHMARKS.md). OpenBLAS 0.3.21 takes an Intel Xeon it does not know (Emerald Rapids,
+//! family 6 model 207) for a Pentium 4 and runs its SSE3 (`Prescott`) kernels: a fifth of the
+//! speed of its AVX-512 ones there. So when the OpenBLAS found (not one named by `FFN_BLAS`)
+//! reports kernels narrower than the CPU's vectors (AVX2 kernels on an AVX-512 CPU, SSE or AVX
+//! kernels on an AVX2 one), ffn passes it over and uses Flex's product, whose `gemm` crate
+//! chooses its kernels from the CPU's features. That holds whether OpenBLAS chose
 //! the narrow kernels itself or was told to by `OPENBLAS_CORETYPE` (an environment variable
 //! that machine images and tox set for whole sessions, so rarely a choice made for ffn):
 //! `FFN_BLAS` is ffn's override, and `OPENBLAS_CORETYPE=SkylakeX` (or `Cooperlake`) gives
-//! OpenBLAS's AVX-512 kernels, which ffn then takes (on Zen 5 about 1.1× Flex's product).
-//! [`report`] names what was chosen and why.
+//! OpenBLAS's AVX-512 kernels, which ffn then takes (on Zen 5 about 1.1× Flex's product, on
+//! the Emerald Rapids Xeon 1.1–1.2×). [`report`] names what was chosen and why.
+//!
+//! ## Asking OpenBLAS for its AVX-512 kernels
+//!
+//! OpenBLAS reads `OPENBLAS_CORETYPE` once, when it is loaded, and has no call that changes its
+//! kernels afterwards. So on Linux x86-64, before `main` (while the process has one thread, so
+//! that writing the environment races with no reader), a CPU with AVX-512 gets
+//! `OPENBLAS_CORETYPE=SkylakeX` when neither it nor `FFN_BLAS` is set: every OpenBLAS since
+//! 0.3.x has those kernels, they are the ones it picks for the AVX-512 CPUs it knows (Cooper
+//! Lake's and Sapphire Rapids' add bf16 and int8 products only), and a CPU it does not know then
+//! gets them too instead of its SSE3 or AVX2 fallbacks. The variable is then the process's, and
+//! a child process inherits it. A variable already set is left alone (and judged as above);
+//! `FFN_BLAS` set to anything leaves OpenBLAS to its own choice. [`report`] names the variable
+//! with the kernels it asked for.
 
 use std::cell::Cell;
 use std::ffi::{CStr, CString, c_char, c_int, c_void};
@@ -119,13 +135,40 @@ fn chosen() -> &'static (Option<Blas>, String) {
     CHOSEN.get_or_init(|| {
         let (blas, why) = load();
         let report = match (&blas, why) {
-            (Some(blas), _) => format!("{} ({})", blas.kernel(), blas.path),
+            (Some(blas), _) => format!("{} ({})", blas.described(), blas.path),
             (None, Some(why)) => format!("Flex's gemm: {why}"),
             (None, None) => "Flex's gemm: no BLAS library found".to_string(),
         };
         (blas, report)
     })
 }
+
+/// The core type to ask OpenBLAS for before it loads: `SkylakeX` on a CPU with AVX-512 when
+/// neither `OPENBLAS_CORETYPE` nor `FFN_BLAS` is set to a value (module docs), else none.
+fn coretype_to_ask(
+    vectors: cpu::Vectors,
+    coretype_set: bool,
+    ffn_blas_set: bool,
+) -> Option<&'static str> {
+    (vectors == cpu::Vectors::Avx512 && !coretype_set && !ffn_blas_set).then_some("SkylakeX")
+}
+
+/// Sets `OPENBLAS_CORETYPE` as [`coretype_to_ask`] says, before `main` (module docs).
+#[cfg(all(target_os = "linux", target_arch = "x86_64"))]
+extern "C" fn ask_for_wide_kernels() {
+    let set = |name: &str| std::env::var_os(name).is_some_and(|v| !v.is_empty());
+    if let Some(core) = coretype_to_ask(cpu::vectors(), set("OPENBLAS_CORETYPE"), set("FFN_BLAS")) {
+        // SAFETY: this runs from `.init_array`, before `main`, while the process has one
+        // thread: nothing reads the environment while it is written.
+        unsafe { std::env::set_var("OPENBLAS_CORETYPE", core) };
+    }
+}
+
+/// Runs [`ask_for_wide_kernels`] as the process starts, before `main`, as a C constructor does.
+#[cfg(all(target_os = "linux", target_arch = "x86_64"))]
+#[used]
+#[unsafe(link_section = ".init_array")]
+static ASK_FOR_WIDE_KERNELS: extern "C" fn() = ask_for_wide_kernels;
 
 /// The library to use, or `None` and why not.
 fn load() -> (Option<Blas>, Option<String>) {
@@ -140,7 +183,7 @@ fn load() -> (Option<Blas>, Option<String>) {
         return (None, None);
     };
     match &blas.core {
-        Some(core) if !named && lags(core, cpu::avx512()) => {
+        Some(core) if !named && lags(core, cpu::vectors()) => {
             let told = match std::env::var("OPENBLAS_CORETYPE") {
                 Ok(coretype) => format!(" (OPENBLAS_CORETYPE={coretype})"),
                 Err(_) => String::new(),
@@ -148,8 +191,9 @@ fn load() -> (Option<Blas>, Option<String>) {
             (
                 None,
                 Some(format!(
-                    "{} runs its {core} kernels{told} on this AVX-512 CPU",
-                    blas.library
+                    "{} runs its {core} kernels{told} on this {} CPU",
+                    blas.library,
+                    cpu::vectors().name()
                 )),
             )
         }
@@ -157,11 +201,55 @@ fn load() -> (Option<Blas>, Option<String>) {
     }
 }
 
-/// Whether OpenBLAS kernels for `core` leave a CPU with AVX-512 (`avx512`) below its width: the
-/// cores with AVX-512 kernels are SkylakeX, Cooperlake and SapphireRapids.
-fn lags(core: &str, avx512: bool) -> bool {
-    let wide = ["skylakex", "cooperlake", "sapphirerapids"];
-    avx512 && !wide.contains(&core.to_ascii_lowercase().as_str())
+impl Blas {
+    /// The library and its kernels, and the `OPENBLAS_CORETYPE` that asked for them (the
+    /// user's, or the one ffn set: module docs).
+    fn described(&self) -> String {
+        match (&self.core, std::env::var("OPENBLAS_CORETYPE")) {
+            (Some(_), Ok(core)) if !core.is_empty() => {
+                format!("{} (OPENBLAS_CORETYPE={core})", self.kernel())
+            }
+            _ => self.kernel(),
+        }
+    }
+}
+
+/// Whether OpenBLAS's kernels for `core` leave a CPU with `vectors` below its width. The cores
+/// with AVX-512 kernels are SkylakeX, Cooperlake and SapphireRapids; on an AVX2 CPU the kernels
+/// OpenBLAS falls back to for a CPU it does not know (SSE3 `Prescott`, and the SSE and AVX
+/// cores before Haswell) lag. A core this list does not name (another architecture's, or one
+/// newer than it) lags only on an AVX-512 CPU, where Flex's product is as wide as the CPU.
+fn lags(core: &str, vectors: cpu::Vectors) -> bool {
+    const AVX512: [&str; 3] = ["skylakex", "cooperlake", "sapphirerapids"];
+    const NARROW: [&str; 21] = [
+        "katmai",
+        "coppermine",
+        "northwood",
+        "prescott",
+        "banias",
+        "atom",
+        "core2",
+        "penryn",
+        "dunnington",
+        "nehalem",
+        "athlon",
+        "opteron",
+        "opteron(sse3)",
+        "barcelona",
+        "nano",
+        "bobcat",
+        "sandybridge",
+        "bulldozer",
+        "piledriver",
+        "steamroller",
+        "unknown",
+    ];
+    let core = core.to_ascii_lowercase();
+    match vectors {
+        cpu::Vectors::Avx512 => !AVX512.contains(&core.as_str()),
+        cpu::Vectors::Avx2 => NARROW.contains(&core.as_str()),
+        cpu::Vectors::Other => false,
+    }
 }
 
 fn open(path: &str, rayon: bool) -> Option<Blas> {
@@ -330,6 +418,44 @@ impl Blas {
 
 /// The CPU, as the reports name it.
 pub mod cpu {
+    /// The widest vectors a CPU's f32 products can use.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    pub enum Vectors {
+        /// 512-bit: [`avx512`].
+        Avx512,
+        /// 256-bit with fused multiply-adds: AVX2 and FMA.
+        Avx2,
+        /// Anything else (older x86, other architectures).
+        Other,
+    }
+
+    impl Vectors {
+        /// `AVX-512`, `AVX2`, or `this`.
+        pub fn name(self) -> &'static str {
+            match self {
+                Vectors::Avx512 => "AVX-512",
+                Vectors::Avx2 => "AVX2",
+                Vectors::Other => "this",
+            }
+        }
+    }
+
+    /// This CPU's [`Vectors`].
+    pub fn vectors() -> Vectors {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::is_x86_feature_detected as has;
+            if avx512() {
+                return Vectors::Avx512;
+            }
+            if has!("avx2") && has!("fma") {
+                return Vectors::Avx2;
+            }
+        }
+        Vectors::Other
+    }
+
     /// Whether the CPU has the AVX-512 subsets that BLAS kernels and Flex's `gemm` use (F, BW,
     /// VL, DQ).
     pub fn avx512() -> bool {
@@ -393,15 +519,58 @@ pub mod cpu {
 mod tests {
     use super::*;
 
-    /// OpenBLAS's AVX2 kernels are passed over on an AVX-512 CPU only.
+    /// Kernels narrower than the CPU's vectors are passed over: AVX2 ones on an AVX-512 CPU,
+    /// SSE and AVX ones (OpenBLAS's fallbacks for a CPU it does not know) on an AVX2 one.
     #[test]
     fn only_kernels_narrower_than_the_cpu_lag() {
-        for core in ["Haswell", "Zen", "Sandybridge", "Prescott"] {
-            assert!(lags(core, true), "{core}");
-            assert!(!lags(core, false), "{core}");
+        use cpu::Vectors::{Avx2, Avx512, Other};
+        for core in ["Haswell", "Zen", "Excavator"] {
+            assert!(lags(core, Avx512), "{core}");
+            assert!(!lags(core, Avx2), "{core}");
+        }
+        for core in [
+            "Prescott",
+            "Sandybridge",
+            "Nehalem",
+            "Piledriver",
+            "Unknown",
+        ] {
+            assert!(lags(core, Avx512), "{core}");
+            assert!(lags(core, Avx2), "{core}");
+            assert!(!lags(core, Other), "{core}");
         }
         for core in ["SkylakeX", "Cooperlake", "SAPPHIRERAPIDS"] {
-            assert!(!lags(core, true), "{core}");
+            assert!(!lags(core, Avx512), "{core}");
+            assert!(!lags(core, Avx2), "{core}");
+        }
+        // Another architecture's kernels, or a name newer than the list: kept below AVX-512.
+        for core in ["NeoverseN1", "armv8", "Zen5"] {
+            assert!(!lags(core, Avx2), "{core}");
+            assert!(!lags(core, Other), "{core}");
+        }
+    }
+
+    /// OpenBLAS is asked for its AVX-512 kernels on an AVX-512 CPU only, and only when neither
+    /// `OPENBLAS_CORETYPE` nor `FFN_BLAS` has a value.
+    #[test]
+    fn openblas_is_asked_for_avx512_kernels_on_an_avx512_cpu_left_alone() {
+        use cpu::Vectors::{Avx2, Avx512, Other};
+        assert_eq!(coretype_to_ask(Avx512, false, false), Some("SkylakeX"));
+        for (coretype_set, ffn_blas_set) in [(true, false), (false, true), (true, true)] {
+            assert_eq!(coretype_to_ask(Avx512, coretype_set, ffn_blas_set), None);
+        }
+        for vectors in [Avx2, Other] {
+            assert_eq!(coretype_to_ask(vectors, false, false), None);
+        }
+        // The constructor ran in this process: on an AVX-512 CPU the variable has a value
+        // (ffn's, or one that was there before).
+        if cpu::vectors() == Avx512 && cfg!(all(target_os = "linux", target_arch = "x86_64")) {
+            let value = std::env::var("OPENBLAS_CORETYPE").unwrap_or_default();
+            let ffn_blas = std::env::var("FFN_BLAS").unwrap_or_default();
+            assert!(
+                !value.is_empty() || !ffn_blas.is_empty(),
+                "OPENBLAS_CORETYPE unset"
+            );
         }
     }
 

@@ -47,7 +47,7 @@ impl Kernels for Flex {
     fn ffn_matmul(lhs: FlexTensor, rhs: FlexTensor) -> FlexTensor {
         use burn::backend::ops::FloatTensorOps;
         if lhs.dtype() == DType::BF16 && rhs.dtype() == DType::BF16 {
-            return if bf16::available() && !widening() {
+            return if on_kernel() {
                 matmul_bf16(lhs, rhs)
             } else {
                 matmul_bf16_widened(lhs, rhs)
@@ -525,12 +525,66 @@ unsafe fn product(m: usize, n: usize, write: impl FnOnce(*mut f32)) -> FlexTenso
     FlexTensor::from_data(burn::tensor::TensorData::new(c, [m, n]))
 }
 
-/// `lhs · rhs` for bf16 operands without `avx512_bf16`: widened to f32 (exactly) and multiplied
+/// `lhs · rhs` for bf16 operands off `bf16.rs`'s kernel: widened to f32 (exactly) and multiplied
 /// by the f32 product.
 fn matmul_bf16_widened(lhs: FlexTensor, rhs: FlexTensor) -> FlexTensor {
-    use burn::backend::ops::FloatTensorOps;
-    let widen = |t| <Flex as FloatTensorOps<Flex>>::float_cast(t, burn::tensor::FloatDType::F32);
     <Flex as Kernels>::ffn_matmul(widen(lhs), widen(rhs))
+}
+
+/// A 2-D bf16 tensor widened to f32 (exactly: its 16 bits become an f32's high 16) in the order
+/// its elements lie in memory: a transposed view (unit row stride) becomes a transposed f32
+/// view, which the SGEMM reads as it is, where burn's cast would first gather it element by
+/// element into row-major order. In parallel over rows (or columns). Other layouts and dtypes
+/// take burn's cast.
+fn widen(t: FlexTensor) -> FlexTensor {
+    use burn::backend::ops::FloatTensorOps;
+    let cast = |t| <Flex as FloatTensorOps<Flex>>::float_cast(t, burn::tensor::FloatDType::F32);
+    if t.dtype() != DType::BF16 || t.layout().num_dims() != 2 {
+        return cast(t);
+    }
+    let layout = t.layout();
+    let [rows, cols] = layout.shape().dims::<2>();
+    let [s0, s1] = [layout.strides()[0], layout.strides()[1]];
+    // Lines of `len` contiguous elements, `stride` apart: rows, or columns of a transpose.
+    let (lines, len, stride, transposed) = if s1 == 1 && s0 >= cols as isize {
+        (rows, cols, s0 as usize, false)
+    } else if s0 == 1 && s1 >= rows as isize {
+        (cols, rows, s1 as usize, true)
+    } else {
+        return cast(t);
+    };
+    if lines == 0 || len == 0 {
+        return cast(t);
+    }
+    let data = &t.storage::<burn::tensor::bf16>()[layout.start_offset()..];
+    let mut out: Vec<std::mem::MaybeUninit<f32>> = Vec::with_capacity(lines * len);
+    // SAFETY: `MaybeUninit` needs no initialisation; every slot is written below.
+    unsafe { out.set_len(lines * len) };
+    out.par_chunks_mut(len)
+        .with_min_len((1 << 16) / len + 1)
+        .enumerate()
+        .for_each(|(i, line)| {
+            let src = &data[i * stride..i * stride + len];
+            for (o, v) in line.iter_mut().zip(src) {
+                o.write(f32::from_bits(u32::from(v.to_bits()) << 16));
+            }
+        });
+    // SAFETY: every element was written above; `MaybeUninit<f32>` has f32's layout.
+    let out = unsafe {
+        let mut out = std::mem::ManuallyDrop::new(out);
+        Vec::from_raw_parts(out.as_mut_ptr().cast::<f32>(), out.len(), out.capacity())
+    };
+    let shape = if transposed {
+        [cols, rows]
+    } else {
+        [rows, cols]
+    };
+    let t = FlexTensor::from_data(burn::tensor::TensorData::new(out, shape));
+    if transposed {
+        <Flex as FloatTensorOps<Flex>>::float_swap_dims(t, 0, 1)
+    } else {
+        t
+    }
 }
 
 /// `lhs · rhs` for 2-D bf16 operands of any strides, in f32, by `bf16.rs`'s kernel.
@@ -575,8 +629,7 @@ fn described<T>(t: FlexTensor, describe: impl Fn(&FlexTensor) -> Option<T>) -> (
 /// Whether a bf16 product of these operands runs on `bf16.rs`'s kernel (both 2-D bf16, on a
 /// CPU with `avx512_bf16`), as the fused passes need.
 fn on_bf16_kernel(operands: [&FlexTensor; 2]) -> bool {
-    bf16::available()
-        && !widening()
+    on_kernel()
         && operands
             .iter()
             .all(|t| t.dtype() == DType::BF16 && t.layout().num_dims() == 2)
@@ -840,13 +893,15 @@ fn for_rows<T: Send>(
     Some(total)
 }
 
-/// Whether bf16 products take the widening fallback on a CPU that has the bf16 kernel: only
-/// inside [`tests::widened`]; otherwise the CPU alone decides.
-fn widening() -> bool {
+/// Whether bf16 products run on `bf16.rs`'s kernel: where [`bf16::chosen`] says so, or, inside
+/// [`tests::widened`] and [`tests::on_kernel`], as the test asks (the kernel only where the CPU
+/// can run it).
+fn on_kernel() -> bool {
     #[cfg(test)]
-    return tests::WIDEN.with(std::cell::Cell::get);
-    #[cfg(not(test))]
-    false
+    if let Some(widen) = tests::WIDEN.with(std::cell::Cell::get) {
+        return !widen && bf16::available();
+    }
+    bf16::chosen()
 }
 
 #[cfg(test)]
@@ -854,17 +909,29 @@ pub(crate) mod tests {
     use super::*;
 
     thread_local! {
-        /// Makes bf16 products on this thread take the widening fallback.
-        pub(super) static WIDEN: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+        /// Makes bf16 products on this thread take the widening fallback (`Some(true)`) or the
+        /// kernel where the CPU has it (`Some(false)`) whatever [`bf16::chosen`] says.
+        pub(super) static WIDEN: std::cell::Cell<Option<bool>> =
+            const { std::cell::Cell::new(None) };
+    }
+
+    fn with_widen<T>(widen: bool, work: impl FnOnce() -> T) -> T {
+        let before = WIDEN.with(|w| w.replace(Some(widen)));
+        let out = work();
+        WIDEN.with(|w| w.set(before));
+        out
     }
 
     /// Runs `work` with bf16 products on the widening fallback (as on a CPU without
     /// `avx512_bf16`).
     pub(crate) fn widened<T>(work: impl FnOnce() -> T) -> T {
-        let before = WIDEN.with(|w| w.replace(true));
-        let out = work();
-        WIDEN.with(|w| w.set(before));
-        out
+        with_widen(true, work)
+    }
+
+    /// Runs `work` with bf16 products on `bf16.rs`'s kernel where the CPU has `avx512_bf16`
+    /// (also where ffn would widen: Intel).
+    pub(crate) fn on_kernel<T>(work: impl FnOnce() -> T) -> T {
+        with_widen(false, work)
     }
 
     /// `len` values on [-2, 2) from a linear congruential generator at `seed` (advanced).
@@ -944,12 +1011,59 @@ pub(crate) mod tests {
             };
             let host = buffer(&pre);
             // Shared with `pre` here: written apart; then held alone: written over it.
-            let (apart, apart_sums) = call(pre.clone());
-            let (d, d_sums) = call(pre);
+            let (apart, apart_sums) = on_kernel(|| call(pre.clone()));
+            let (d, d_sums) = on_kernel(|| call(pre));
             assert_ne!(buffer(&apart), host, "{kind}");
             assert_eq!(buffer(&d), host, "{kind}");
             assert_eq!(values(&d), values(&apart), "{kind}");
             assert_eq!(sums(d_sums), sums(apart_sums), "{kind}");
+        }
+    }
+
+    /// Widening gives burn's cast bit for bit (infinities, subnormals, signed zeros; a NaN
+    /// stays a NaN, its payload kept where burn's sets the quiet bit) in the logical order, for row-major tensors, transposed views (kept transposed: unit row
+    /// stride), a view with a row stride wider than its rows, and one that starts inside its
+    /// buffer; a layout of neither kind takes burn's cast.
+    #[test]
+    fn widening_is_burns_cast() {
+        use burn::backend::ops::FloatTensorOps;
+        use burn::tensor::{FloatDType, TensorData};
+        let (m, n) = (300, 517);
+        let mut seed = 11u32;
+        let bits: Vec<burn::tensor::bf16> = (0..m * n)
+            .map(|_| {
+                seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+                burn::tensor::bf16::from_bits((seed >> 16) as u16)
+            })
+            .collect();
+        let t = FlexTensor::from_data(TensorData::new(bits, [m, n]));
+        let swap = |t| <Flex as FloatTensorOps<Flex>>::float_swap_dims(t, 0, 1);
+        let views = [
+            ("row-major", t.clone()),
+            ("transposed", swap(t.clone())),
+            ("narrowed columns", t.narrow(1, 3, 400)),
+            ("narrowed rows", t.narrow(0, 7, 200)),
+            ("transposed, narrowed", swap(t.narrow(0, 5, 100))),
+            (
+                "strided",
+                t.narrow(1, 0, 258).reshape(Shape::new([600, 129])),
+            ),
+        ];
+        for (kind, view) in views {
+            let cast = <Flex as FloatTensorOps<Flex>>::float_cast(view.clone(), FloatDType::F32);
+            let widened = widen(view);
+            assert_eq!(widened.layout().shape(), cast.layout().shape(), "{kind}");
+            let as_bits = |t: FlexTensor| -> Vec<u32> {
+                let v = t.into_data().try_to_vec::<f32>().unwrap();
+                // Every NaN as one pattern.
+                v.into_iter()
+                    .map(|x| if x.is_nan() { u32::MAX } else { x.to_bits() })
+                    .collect()
+            };
+            let (widened, cast) = (as_bits(widened), as_bits(cast));
+            let differ = widened.iter().zip(&cast).filter(|(a, b)| a != b).count();
+            assert_eq!(differ, 0, "{kind}: {differ} of {} differ", cast.len());
+            assert!(cast.contains(&u32::MAX), "{kind}: NaNs among the patterns");
         }
     }
 

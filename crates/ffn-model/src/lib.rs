@@ -118,10 +118,11 @@ pub fn keep_freed_memory() {
 
 /// What the FFN op's matrix products run on, in one line: for f32 the BLAS library and its
 /// kernels (or Flex's own `gemm`, and why), for bf16 ([`Precision::Bf16`]) the `avx512_bf16`
-/// kernel or the widening fallback, then the CPU and its vector features. The library is loaded
-/// at run time on first use (the `FFN_BLAS` variable of docs/precision.md); on a CPU with AVX-512 an
-/// OpenBLAS that runs only its AVX2 kernels there (it does not know the CPU) is passed over
-/// for Flex's AVX-512 product.
+/// kernel or the widening fallback (and why), then the CPU and its vector features. The library
+/// is loaded at run time on first use (the `FFN_BLAS` and `FFN_BF16` variables of
+/// docs/precision.md); an OpenBLAS that runs kernels narrower than the CPU's vectors there (it
+/// does not know the CPU) is passed over for Flex's product, and on Linux x86-64 a CPU with
+/// AVX-512 has OpenBLAS asked for its AVX-512 kernels before it loads.
 ///
 /// ```
 /// let report = ffn_model::cpu_kernels();
@@ -131,14 +132,10 @@ pub fn keep_freed_memory() {
 pub fn cpu_kernels() -> &'static str {
     static REPORT: std::sync::OnceLock<String> = std::sync::OnceLock::new();
     REPORT.get_or_init(|| {
-        let bf16 = if bf16::available() {
-            "ffn's avx512_bf16 kernel"
-        } else {
-            "rounded operands widened to f32 (no avx512_bf16)"
-        };
         format!(
-            "{}; bf16: {bf16}; CPU: {}",
+            "{}; bf16: {}; CPU: {}",
             blas::report(),
+            bf16::report(),
             blas::cpu::describe()
         )
     })

@@ -1040,7 +1040,7 @@ mod tests {
             let x = Tensor::<2>::random([37, 48], Distribution::Normal(0.0, 1.0), &device);
             let g = Tensor::<2>::random([37, 48], Distribution::Normal(0.0, 1.0), &device);
             CHUNK.with(|c| c.set(10 * 64));
-            let fast = outputs(&bf16_net, &x, &g);
+            let fast = crate::cpu::tests::on_kernel(|| outputs(&bf16_net, &x, &g));
             let widened = crate::cpu::tests::widened(|| outputs(&bf16_net, &x, &g));
             let exact = outputs(&f32_net, &x, &g);
             CHUNK.with(|c| c.set(super::CHUNK_ELEMENTS));

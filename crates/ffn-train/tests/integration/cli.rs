@@ -598,8 +598,10 @@ fn a_bf16_run_trains_like_the_f32_run() {
 /// The f32 kernel follows the CPU, not a library older than it nor an `OPENBLAS_CORETYPE`
 /// left in the environment: on a CPU with AVX-512, an OpenBLAS told to run its AVX2 (`Haswell`)
 /// kernels is passed over for Flex's AVX-512 product, and the header says why; its AVX-512
-/// kernels (`SkylakeX`) are taken, and so is any library `FFN_BLAS` names. Without AVX-512 the
-/// library runs as told. (Where no OpenBLAS is installed, every run reports Flex's product.)
+/// kernels (`SkylakeX`) are taken, and so is any library `FFN_BLAS` names; with the variable
+/// empty, ffn asks OpenBLAS for its AVX-512 kernels itself (OpenBLAS 0.3.21 would take an
+/// Emerald Rapids Xeon for a Pentium 4). Without AVX-512 the library runs as told. (Where no
+/// OpenBLAS is installed, every run reports Flex's product.)
 #[test]
 fn the_f32_kernel_follows_the_cpu_not_openblas_coretype() {
     let dir = scratch("cli-kernels");
@@ -637,6 +639,12 @@ fn the_f32_kernel_follows_the_cpu_not_openblas_coretype() {
         assert!(
             wide.starts_with("OpenBLAS") && wide.contains("SkylakeX kernels"),
             "{wide}"
+        );
+        let asked = header(&[("OPENBLAS_CORETYPE", "")]);
+        assert!(
+            asked.starts_with("OpenBLAS")
+                && asked.contains("SkylakeX kernels (OPENBLAS_CORETYPE=SkylakeX)"),
+            "{asked}"
         );
         let named = header(&[
             ("OPENBLAS_CORETYPE", "Haswell"),
