@@ -331,14 +331,24 @@ pub fn unsplit<T>(work: impl FnOnce() -> T) -> T {
 struct Ptr(usize);
 
 impl Blas {
-    /// `c = op(a) · op(b)` with `op(a)` `m × k`, `op(b)` `k × n` and `c` a contiguous `m × n`
-    /// row-major buffer.
+    /// `c = op(a) · op(b)` with `op(a)` `m × k`, `op(b)` `k × n` and `c` a row-major `m × n`
+    /// matrix whose rows are `ldc ≥ n` floats apart.
     ///
     /// # Safety
     ///
     /// `a` and `b` must point to matrices of those shapes under their strides, and `c` to
-    /// `m · n` writable floats.
-    pub unsafe fn sgemm(&self, m: usize, n: usize, k: usize, a: Operand, b: Operand, c: *mut f32) {
+    /// `m` writable rows of `n` floats, `ldc` apart.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn sgemm(
+        &self,
+        m: usize,
+        n: usize,
+        k: usize,
+        a: Operand,
+        b: Operand,
+        c: *mut f32,
+        ldc: usize,
+    ) {
         let threads = if self.rayon {
             rayon::current_num_threads()
         } else {
@@ -346,7 +356,7 @@ impl Blas {
         };
         // Small products, one thread, or inside `unsplit`: one call.
         if threads <= 1 || m * n * k < 1 << 21 || UNSPLIT.with(Cell::get) {
-            unsafe { self.call(m, n, k, a, b, c, n) };
+            unsafe { self.call(m, n, k, a, b, c, ldc) };
             return;
         }
         // One block of rows (or of columns, when there are more) of `c` per thread, in
@@ -366,14 +376,14 @@ impl Blas {
                             // Rows start..start+size of op(a) and of c.
                             let step = if a.trans { 1 } else { a.ld };
                             a.ptr = a.ptr.add(start * step);
-                            let c = (c0.0 as *mut f32).add(start * n);
-                            self.call(size, n, k, a, b, c, n);
+                            let c = (c0.0 as *mut f32).add(start * ldc);
+                            self.call(size, n, k, a, b, c, ldc);
                         } else {
                             // Columns start..start+size of op(b) and of c.
                             let step = if b.trans { b.ld } else { 1 };
                             b.ptr = b.ptr.add(start * step);
                             let c = (c0.0 as *mut f32).add(start);
-                            self.call(m, size, k, a, b, c, n);
+                            self.call(m, size, k, a, b, c, ldc);
                         }
                     }
                 });
