@@ -20,8 +20,8 @@ use crate::Activation;
 use crate::bf16;
 use crate::blas::{self, Operand};
 use crate::loops::{
-    add_row, backward_row, backward_row_in_place, forward_row, round_into, round_row, unwritten,
-    vectorised, written,
+    add_row, backward_row, backward_row_in_place, forward_row, round_f32_into, round_in_place,
+    round_into, round_row, unwritten, vectorised, written,
 };
 use crate::op::hidden as composed;
 use crate::op::{self, Kernels, Pre, Precision, as_operands};
@@ -43,15 +43,16 @@ impl Kernels for Flex {
     /// f32 operands: the BLAS chosen at run time, else Flex's own product. bf16 operands (both):
     /// `bf16.rs`'s packed kernel on a CPU with `avx512_bf16`; elsewhere the operands are
     /// widened to f32 (exactly) and multiplied as f32: the same function, the products exact
-    /// in either case and summed in f32.
+    /// in either case and summed in f32. A bf16 operand beside an f32 one (rounded already, by
+    /// [`ffn_bf16_passing`](Kernels::ffn_bf16_passing)) is widened.
     fn ffn_matmul(lhs: FlexTensor, rhs: FlexTensor) -> FlexTensor {
         use burn::backend::ops::FloatTensorOps;
-        if lhs.dtype() == DType::BF16 && rhs.dtype() == DType::BF16 {
-            return if on_kernel() {
-                matmul_bf16(lhs, rhs)
-            } else {
-                matmul_bf16_widened(lhs, rhs)
-            };
+        match (lhs.dtype(), rhs.dtype()) {
+            (DType::BF16, DType::BF16) if on_kernel() => return matmul_bf16(lhs, rhs),
+            (DType::BF16, DType::BF16 | DType::F32) | (DType::F32, DType::BF16) => {
+                return matmul_bf16_widened(lhs, rhs);
+            }
+            _ => {}
         }
         match blas::get() {
             Some(blas) if lhs.dtype() == DType::F32 && rhs.dtype() == DType::F32 => {
@@ -66,6 +67,15 @@ impl Kernels for Flex {
         round_to_bf16(&t).unwrap_or_else(|| {
             <Flex as FloatTensorOps<Flex>>::float_cast(t, burn::tensor::FloatDType::BF16)
         })
+    }
+
+    /// Off `bf16.rs`'s kernel, where the products widen bf16 operands to f32: `t` rounded in
+    /// place and left f32 when it is held alone and contiguous (else a bf16 copy).
+    fn ffn_bf16_passing(t: FlexTensor) -> FlexTensor {
+        if on_kernel() {
+            return Self::ffn_bf16(t);
+        }
+        rounded_in_place(t).unwrap_or_else(Self::ffn_bf16)
     }
 
     fn ffn_hidden(pre: &Pre<Flex>, activation: Activation) -> FlexTensor {
@@ -322,29 +332,29 @@ impl Kernels for Flex {
     }
 
     fn ffn_hidden_backward(dh: FlexTensor, pre: &Pre<Flex>, activation: Activation) -> Pre<Flex> {
-        match hidden_backward(dh, pre, activation, Precision::F32, false) {
+        match hidden_backward(dh, pre.clone(), activation, Precision::F32, false) {
             Ok((d, _)) => d,
-            Err(dh) => composed::hidden_backward::<Flex>(dh, pre, activation),
+            Err((dh, _)) => composed::hidden_backward::<Flex>(dh, pre, activation),
         }
     }
 
     /// One pass: each row of the gradient computed in f32, added into the column sums, and
-    /// written (gated, in bf16: rounded; ungated it is written over `dh` in f32, see
-    /// [`hidden_backward`]).
+    /// written as the products take it (see [`hidden_backward`]); an ungated gradient left in
+    /// f32 over `dh` for the kernel is rounded once `pre` is freed.
     fn ffn_hidden_backward_operand(
         dh: FlexTensor,
-        pre: &Pre<Flex>,
+        pre: Pre<Flex>,
         activation: Activation,
         precision: Precision,
         sums: bool,
     ) -> (Pre<Flex>, Option<FlexTensor>) {
         match hidden_backward(dh, pre, activation, precision, sums) {
             Ok(done) => done,
-            Err(dh) => as_operands::<Flex>(
-                composed::hidden_backward::<Flex>(dh, pre, activation),
-                precision,
-                sums,
-            ),
+            Err((dh, pre)) => {
+                let d = composed::hidden_backward::<Flex>(dh, &pre, activation);
+                drop(pre);
+                as_operands::<Flex>(d, precision, sums)
+            }
         }
     }
 }
@@ -390,89 +400,196 @@ fn hidden(pre: &Pre<Flex>, activation: Activation, precision: Precision) -> Opti
 }
 
 /// The gradient of the pre-activations and, when `sums`, the column sums of the unrounded
-/// gradient; `Err(dh)` where the loops do not apply. In bf16 a gated gradient is rounded as it is
-/// written; an ungated one is left in f32 when it can be written over `dh`.
-#[allow(clippy::type_complexity)]
+/// gradient; `Err((dh, pre))` where the loops do not apply. In f32 a new tensor, or, ungated,
+/// written over `dh` when nothing else holds it. In bf16 the products' operands
+/// ([`Kernels::ffn_bf16_passing`]), rounded to bf16 as they are written, with two exceptions
+/// where the gradient can be written over a buffer held alone: on `bf16.rs`'s kernel an
+/// ungated one is written over `dh` in f32 and rounded into a bf16 copy once `pre` is freed;
+/// off it, where the products widen bf16 to f32 anyway, the rounded values are kept in f32
+/// over `dh` (ungated) or over the pre-activations (gated, [`gated_over_pre`]): no copy, and
+/// nothing to widen.
+// The tensors come back to the caller once a pass (their handles, not their data).
+#[allow(clippy::type_complexity, clippy::result_large_err)]
 fn hidden_backward(
     dh: FlexTensor,
-    pre: &Pre<Flex>,
+    pre: Pre<Flex>,
     activation: Activation,
     precision: Precision,
     sums: bool,
-) -> Result<(Pre<Flex>, Option<FlexTensor>), FlexTensor> {
+) -> Result<(Pre<Flex>, Option<FlexTensor>), (FlexTensor, Pre<Flex>)> {
     let Some(act) = vectorised(activation) else {
-        return Err(dh);
+        return Err((dh, pre));
     };
-    let (g, u) = halves(pre);
+    // Off the kernel, bf16 values are kept in f32.
+    let kept_f32 = precision == Precision::Bf16 && !on_kernel();
+    let pre = if kept_f32 {
+        match gated_over_pre(act, &dh, pre, sums) {
+            Ok(done) => return Ok(done),
+            Err(pre) => pre,
+        }
+    } else {
+        pre
+    };
+    let (g, u) = halves(&pre);
     let (Some(g_rows), Some(dh_rows)) = (rows(&g), rows(&dh)) else {
-        return Err(dh);
+        drop((g, u));
+        return Err((dh, pre));
     };
     let u_rows = match &u {
         Some(u) => match rows(u) {
             Some(u) => Some(u),
-            None => return Err(dh),
+            None => {
+                drop((g, u));
+                return Err((dh, pre));
+            }
         },
         None => None,
     };
     let (tokens, f) = (g_rows.rows, g_rows.cols);
     // One row of the gradient in f32: `da`, or `[dg | du]` (the width of a fused `[g | u]`).
     let width = if u_rows.is_some() { 2 * f } else { f };
-    let row = |r: usize, d: &mut [f32]| match u_rows {
-        None => backward_row(act, dh_rows.row(r), g_rows.row(r), None, d),
-        Some(u) => {
-            let (dg, du) = d.split_at_mut(f);
-            backward_row(act, dh_rows.row(r), g_rows.row(r), Some((u.row(r), du)), dg)
-        }
-    };
-    let (d, sums) = match precision {
+    let over_dh = u_rows.is_none() && dh_rows.stride == f && dh.layout().start_offset() == 0;
+    let mut dh = dh;
+    let (d, sums) = match dh.try_storage_mut::<f32>().filter(|_| over_dh) {
         // Ungated: da = dh ⊙ φ'(a), written over dh when nothing else holds it (one [tokens,
-        // d_ff] buffer less at the backward pass's peak). In bf16 too: rounded by the caller
-        // once the pre-activations are freed, it needs less memory at once than a bf16 copy
-        // written beside them.
-        _ if u_rows.is_none() && dh_rows.stride == f => {
-            let mut dh = dh;
-            let whole = dh.layout().start_offset() == 0;
-            match dh.try_storage_mut::<f32>().filter(|_| whole) {
-                Some(d) => {
-                    let sums = for_rows(&mut d[..tokens * f], f, sums, |r, d, acc| {
-                        backward_row_in_place(act, g_rows.row(r), d);
-                        add_row(acc, d);
-                    });
-                    (dh, sums)
+        // d_ff] buffer less at the backward pass's peak). On the bf16 kernel too: rounded
+        // below once the pre-activations are freed, it needs less memory at once than a bf16
+        // copy written beside them.
+        Some(d) => {
+            let sums = for_rows(&mut d[..tokens * f], f, sums, |r, d, acc| {
+                backward_row_in_place(act, g_rows.row(r), d);
+                add_row(acc, d);
+                if kept_f32 {
+                    round_in_place(d);
                 }
-                None => {
-                    let dh_rows = rows(&dh).expect("checked above");
-                    let (out, sums) = Out::<f32>::from_rows(tokens, f, sums, |r, d, acc| {
-                        backward_row(act, dh_rows.row(r), g_rows.row(r), None, d);
+            });
+            (dh, sums)
+        }
+        None => {
+            let dh_rows = rows(&dh).expect("checked above");
+            let row = |r: usize, d: &mut [f32]| match u_rows {
+                None => backward_row(act, dh_rows.row(r), g_rows.row(r), None, d),
+                Some(u) => {
+                    let (dg, du) = d.split_at_mut(f);
+                    backward_row(act, dh_rows.row(r), g_rows.row(r), Some((u.row(r), du)), dg)
+                }
+            };
+            match precision {
+                Precision::F32 => {
+                    let (out, sums) = Out::<f32>::from_rows(tokens, width, sums, |r, d, acc| {
+                        row(r, d);
                         add_row(acc, d);
                     });
                     (out.tensor(), sums)
                 }
+                Precision::Bf16 => {
+                    let (out, sums) = Out::<u16>::from_rows(tokens, width, sums, |r, d, acc| {
+                        with_scratch(width, |s| {
+                            row(r, s);
+                            add_row(acc, s);
+                            round_row(s, d);
+                        })
+                    });
+                    (out.bf16_tensor(), sums)
+                }
             }
-        }
-        Precision::F32 => {
-            let (out, sums) = Out::<f32>::from_rows(tokens, width, sums, |r, d, acc| {
-                row(r, d);
-                add_row(acc, d);
-            });
-            (out.tensor(), sums)
-        }
-        Precision::Bf16 => {
-            let (out, sums) = Out::<u16>::from_rows(tokens, width, sums, |r, d, acc| {
-                with_scratch(width, |s| {
-                    row(r, s);
-                    add_row(acc, s);
-                    round_row(s, d);
-                })
-            });
-            (out.bf16_tensor(), sums)
         }
     };
     let sums = sums.map(|s| FlexTensor::from_data(burn::tensor::TensorData::new(s, [width])));
-    let d = match pre {
-        Pre::Plain(_) => Pre::Plain(d),
-        Pre::Fused(_) => Pre::Fused(d),
-        Pre::Gated(..) => Pre::Gated(d.narrow(1, 0, f), d.narrow(1, f, f)),
+    let gated = u.is_some();
+    drop((g, u));
+    let fused = matches!(pre, Pre::Fused(_));
+    drop(pre);
+    // Ungated on the kernel: the f32 gradient rounded now that `pre` is freed.
+    let d = if precision == Precision::Bf16 && d.dtype() == DType::F32 && !kept_f32 {
+        <Flex as Kernels>::ffn_bf16(d)
+    } else {
+        d
+    };
+    let d = match (gated, fused) {
+        (false, _) => Pre::Plain(d),
+        (true, true) => Pre::Fused(d),
+        (true, false) => Pre::Gated(d.narrow(1, 0, f), d.narrow(1, f, f)),
+    };
+    Ok((d, sums))
+}
+
+/// Off the kernel in bf16: a gated gradient `[dg | du]` written over the pre-activations (a fused
+/// `[g | u]`, or `g` and `u`) when nothing else holds them, each row read whole before it is
+/// overwritten, rounded to bf16 values kept in f32. `Err(pre)` otherwise.
+// The tensors come back to the caller once a pass (their handles, not their data).
+#[allow(clippy::type_complexity, clippy::result_large_err)]
+fn gated_over_pre(
+    act: Activation,
+    dh: &FlexTensor,
+    pre: Pre<Flex>,
+    sums: bool,
+) -> Result<(Pre<Flex>, Option<FlexTensor>), Pre<Flex>> {
+    let Some(dh) = rows(dh) else {
+        return Err(pre);
+    };
+    let (tokens, f) = (dh.rows, dh.cols);
+    // A buffer of its own, whole, row-major, `[tokens, cols]`.
+    let alone = |t: &FlexTensor, cols: usize| {
+        t.dtype() == DType::F32
+            && t.is_unique()
+            && t.layout().start_offset() == 0
+            && t.layout().is_contiguous()
+            && t.layout().shape().dims::<2>() == [tokens, cols]
+    };
+    // Rows of `g` and of `u`: the two halves of a fused row, or two buffers.
+    let (hosts, g, u) = match pre {
+        Pre::Fused(mut gu) if alone(&gu, 2 * f) => {
+            let base = gu
+                .try_storage_mut::<f32>()
+                .expect("held alone")
+                .as_mut_ptr();
+            let g = RowPtrs {
+                addr: base as usize,
+                cols: f,
+                stride: 2 * f,
+            };
+            let u = RowPtrs {
+                addr: base.wrapping_add(f) as usize,
+                ..g
+            };
+            ([Some(gu), None], g, u)
+        }
+        Pre::Gated(mut g, mut u) if alone(&g, f) && alone(&u, f) => {
+            let [pg, pu] = [&mut g, &mut u].map(|t| RowPtrs {
+                addr: t.try_storage_mut::<f32>().expect("held alone").as_mut_ptr() as usize,
+                cols: f,
+                stride: f,
+            });
+            ([Some(g), Some(u)], pg, pu)
+        }
+        pre => return Err(pre),
+    };
+    let sums = for_row_indices(tokens, 2 * f, sums, |r, acc| {
+        with_scratch(2 * f, |s| {
+            let (dg, du) = s.split_at_mut(f);
+            // SAFETY: rows r of g and u are this call's alone; they are read whole (the borrows
+            // end with `backward_row`) before they are written.
+            backward_row(
+                act,
+                dh.row(r),
+                unsafe { g.row(r) },
+                Some((unsafe { u.row(r) }, du)),
+                dg,
+            );
+            add_row(acc, s);
+            let (dg, du) = s.split_at(f);
+            unsafe {
+                round_f32_into(dg, g.row_mut(r));
+                round_f32_into(du, u.row_mut(r));
+            }
+        })
+    });
+    let sums = sums.map(|s| FlexTensor::from_data(burn::tensor::TensorData::new(s, [2 * f])));
+    let d = match hosts {
+        [Some(gu), None] => Pre::Fused(gu),
+        [Some(g), Some(u)] => Pre::Gated(g, u),
+        _ => unreachable!("one host or two"),
     };
     Ok((d, sums))
 }
@@ -540,13 +657,16 @@ fn matmul_bf16_widened(lhs: FlexTensor, rhs: FlexTensor) -> FlexTensor {
     let Some(blas) = blas::get() else {
         return whole(lhs, rhs);
     };
-    if m * k <= WIDEN_BLOCK && k * n <= WIDEN_BLOCK || m == 0 || n == 0 || k == 0 {
+    // The elements to widen: an f32 operand (rounded already) is taken as it is.
+    let to_widen = |t: &FlexTensor, len: usize| if t.dtype() == DType::BF16 { len } else { 0 };
+    let (lhs_len, rhs_len) = (to_widen(&lhs, m * k), to_widen(&rhs, k * n));
+    if lhs_len <= WIDEN_BLOCK && rhs_len <= WIDEN_BLOCK || m == 0 || n == 0 || k == 0 {
         return whole(lhs, rhs);
     }
     // Rows (of lhs) or columns (of rhs) per block, in multiples of 16 (at least 16, however
     // long the sums), and no more than there are.
     let per_block = |len: usize| (WIDEN_BLOCK / k).next_multiple_of(16).max(16).min(len);
-    if m * k >= k * n {
+    if lhs_len >= rhs_len {
         let (_rhs, b) = operand(widen(rhs));
         let rows = per_block(m);
         // SAFETY: each block writes its rows of the product; together they write all m·n.
@@ -583,6 +703,9 @@ fn matmul_bf16_widened(lhs: FlexTensor, rhs: FlexTensor) -> FlexTensor {
 fn widen(t: FlexTensor) -> FlexTensor {
     use burn::backend::ops::FloatTensorOps;
     let cast = |t| <Flex as FloatTensorOps<Flex>>::float_cast(t, burn::tensor::FloatDType::F32);
+    if t.dtype() == DType::F32 {
+        return t;
+    }
     if t.dtype() != DType::BF16 || t.layout().num_dims() != 2 {
         return cast(t);
     }
@@ -727,6 +850,17 @@ impl RowPtrs {
     unsafe fn row<'a>(self, r: usize) -> &'a [f32] {
         let first = (self.addr as *const f32).wrapping_add(r * self.stride);
         unsafe { std::slice::from_raw_parts(first, self.cols) }
+    }
+    /// Row `r`, to write.
+    ///
+    /// # Safety
+    ///
+    /// Row `r` must be inside a matrix this pass may write, and not touched by anything else
+    /// while the borrow lives.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn row_mut<'a>(self, r: usize) -> &'a mut [f32] {
+        let first = (self.addr as *mut f32).wrapping_add(r * self.stride);
+        unsafe { std::slice::from_raw_parts_mut(first, self.cols) }
     }
 }
 
@@ -896,6 +1030,23 @@ fn round_to_bf16(t: &FlexTensor) -> Option<FlexTensor> {
     Some(bf16_tensor(unsafe { written(bits) }, shape))
 }
 
+/// `t`'s values rounded to bf16 in place, kept f32 (see [`Kernels::ffn_bf16_passing`]), by the
+/// vectorised loop on rayon's threads; `Err(t)` unless `t` is f32, contiguous and held alone.
+fn rounded_in_place(mut t: FlexTensor) -> Result<FlexTensor, FlexTensor> {
+    let layout = t.layout();
+    if t.dtype() != DType::F32 || !layout.is_contiguous() || !t.is_unique() {
+        return Err(t);
+    }
+    let (start, len) = (layout.start_offset(), layout.num_elements());
+    let Some(all) = t.try_storage_mut::<f32>() else {
+        return Err(t);
+    };
+    all[start..start + len]
+        .par_chunks_mut(1 << 16)
+        .for_each(round_in_place);
+    Ok(t)
+}
+
 /// Calls `f(r, row, sums)` for every row `r` of `data` (`cols` wide); blocks of about 16k
 /// elements go to rayon's threads. With `sums`, each block of rows gets a column-sum
 /// accumulator (`f` adds its row into it) and their total is returned.
@@ -935,6 +1086,20 @@ fn for_rows<T: Send>(
             },
         );
     Some(total)
+}
+
+/// Calls `f(r, sums)` for every row index `r < rows` of a pass over rows `cols` wide, as
+/// [`for_rows`] splits them, with a `cols`-wide column-sum accumulator when `sums`: for passes
+/// that address their rows themselves.
+fn for_row_indices(
+    rows: usize,
+    cols: usize,
+    sums: bool,
+    f: impl Fn(usize, Option<&mut [f32]>) + Sync,
+) -> Option<Vec<f32>> {
+    // Rows of zero-sized slots: the split without the memory.
+    let mut slots = vec![(); rows * cols];
+    for_rows(&mut slots, cols, sums, |r, _, acc| f(r, acc))
 }
 
 /// Whether bf16 products run on `bf16.rs`'s kernel: where [`bf16::chosen`] says so, or, inside
@@ -1062,6 +1227,125 @@ pub(crate) mod tests {
             assert_eq!(values(&d), values(&apart), "{kind}");
             assert_eq!(sums(d_sums), sums(apart_sums), "{kind}");
         }
+    }
+
+    /// Off the kernel, bf16 values kept in f32: `d(pre)` is rounded in place over `dh`
+    /// (ungated) or over the pre-activations (gated `g` and `u`, fused `[g | u]`) when they are
+    /// held alone (the same buffer comes back, f32), and is otherwise written apart in bf16; in
+    /// both its values are burn's rounding (the cast to bf16 and back) of the f32 gradient, and
+    /// the bias sums are the unrounded gradient's. `ffn_bf16_passing` rounds a tensor held
+    /// alone in place and copies a shared one to bf16.
+    #[test]
+    fn widened_d_pre_is_rounded_over_a_buffer_held_alone() {
+        use burn::backend::ops::FloatTensorOps;
+        use burn::tensor::{FloatDType, TensorData};
+        let (m, f) = (29, 37);
+        let mut seed = 7u32;
+        let mut draw = |len: usize| uniform(&mut seed, len);
+        let tensor =
+            |v: Vec<f32>, shape: [usize; 2]| FlexTensor::from_data(TensorData::new(v, shape));
+        let cast = |t: FlexTensor, dtype| <Flex as FloatTensorOps<Flex>>::float_cast(t, dtype);
+        let (dh, a, g, u) = (draw(m * f), draw(m * f), draw(m * f), draw(m * f));
+        let gu: Vec<f32> = g
+            .chunks(f)
+            .zip(u.chunks(f))
+            .flat_map(|(g, u)| g.iter().chain(u).copied())
+            .collect();
+        let cases = [
+            (Activation::Gelu, Pre::Plain(tensor(a, [m, f]))),
+            (
+                Activation::Silu,
+                Pre::Gated(tensor(g, [m, f]), tensor(u, [m, f])),
+            ),
+            (Activation::Relu, Pre::Fused(tensor(gu, [m, 2 * f]))),
+        ];
+        // Each part's values as f32 (bf16 ones widened by burn's cast).
+        let values = |d: &Pre<Flex>| -> Vec<f32> {
+            let parts = match d {
+                Pre::Plain(d) | Pre::Fused(d) => vec![d.clone()],
+                Pre::Gated(dg, du) => vec![dg.clone(), du.clone()],
+            };
+            parts
+                .into_iter()
+                .flat_map(|d| {
+                    cast(d, FloatDType::F32)
+                        .into_data()
+                        .try_to_vec::<f32>()
+                        .unwrap()
+                })
+                .collect()
+        };
+        let dtype = |d: &Pre<Flex>| match d {
+            Pre::Plain(t) | Pre::Fused(t) | Pre::Gated(t, _) => t.dtype(),
+        };
+        let buffer = |t: &FlexTensor| std::sync::Arc::as_ptr(&t.data_arc()) as usize;
+        let host = |pre: &Pre<Flex>| match pre {
+            Pre::Plain(t) | Pre::Fused(t) | Pre::Gated(t, _) => buffer(t),
+        };
+        let sums = |s: Option<FlexTensor>| s.unwrap().into_data().try_to_vec::<f32>().unwrap();
+        for ((act, pre), kind) in cases.into_iter().zip(["plain", "gated", "fused"]) {
+            let call = |dh: FlexTensor, pre, precision| {
+                <Flex as Kernels>::ffn_hidden_backward_operand(dh, pre, act, precision, true)
+            };
+            let dh = || tensor(dh.clone(), [m, f]);
+            // The oracle: the f32 gradient, rounded by burn's cast.
+            let (exact, exact_sums) = call(dh(), pre.clone(), Precision::F32);
+            let want: Vec<f32> = values(&exact)
+                .into_iter()
+                .map(|v| bf16::widen(bf16::round(v)))
+                .collect();
+            let round_trip: Vec<f32> = values(&match exact {
+                Pre::Plain(t) => Pre::Plain(cast(t, FloatDType::BF16)),
+                Pre::Fused(t) => Pre::Fused(cast(t, FloatDType::BF16)),
+                Pre::Gated(g, u) => {
+                    Pre::Gated(cast(g, FloatDType::BF16), cast(u, FloatDType::BF16))
+                }
+            });
+            assert_eq!(want, round_trip, "{kind}: the rounding is burn's");
+            // Shared: written apart, in bf16.
+            let shared = dh();
+            let (apart, apart_sums) =
+                widened(|| call(shared.clone(), pre.clone(), Precision::Bf16));
+            assert_eq!(dtype(&apart), DType::BF16, "{kind}");
+            assert_ne!(host(&apart), host(&pre), "{kind}");
+            assert_ne!(host(&apart), buffer(&shared), "{kind}");
+            // Held alone: over dh (ungated) or the pre-activations (gated), in f32.
+            let (dh, before) = (dh(), host(&pre));
+            let dh_buffer = buffer(&dh);
+            let (over, over_sums) = widened(|| call(dh, pre, Precision::Bf16));
+            assert_eq!(dtype(&over), DType::F32, "{kind}");
+            let expected = if kind == "plain" { dh_buffer } else { before };
+            assert_eq!(
+                host(&over),
+                expected,
+                "{kind}: not written over the buffer held alone"
+            );
+            for (d, s, how) in [(&apart, apart_sums, "apart"), (&over, over_sums, "over")] {
+                assert_eq!(values(d), want, "{kind} {how}");
+                assert_eq!(sums(s), sums(exact_sums.clone()), "{kind} {how}: sums");
+            }
+        }
+        // `ffn_bf16_passing`: in place when held alone, else a bf16 copy; the same values.
+        let x = draw(m * f);
+        let want: Vec<f32> = x.iter().map(|&v| bf16::widen(bf16::round(v))).collect();
+        let alone = tensor(x.clone(), [m, f]);
+        let address = buffer(&alone);
+        let rounded = widened(|| <Flex as Kernels>::ffn_bf16_passing(alone));
+        assert_eq!((rounded.dtype(), buffer(&rounded)), (DType::F32, address));
+        assert_eq!(rounded.into_data().try_to_vec::<f32>().unwrap(), want);
+        let shared = tensor(x.clone(), [m, f]);
+        let copy = widened(|| <Flex as Kernels>::ffn_bf16_passing(shared.clone()));
+        assert_eq!(copy.dtype(), DType::BF16);
+        let copy = cast(copy, FloatDType::F32)
+            .into_data()
+            .try_to_vec::<f32>()
+            .unwrap();
+        assert_eq!(copy, want);
+        assert_eq!(
+            shared.into_data().try_to_vec::<f32>().unwrap(),
+            x,
+            "the shared one is untouched"
+        );
     }
 
     /// Widening gives burn's cast bit for bit (infinities, subnormals, signed zeros; a NaN
@@ -1227,6 +1511,21 @@ pub(crate) mod tests {
                 let packed = matmul_bf16(lhs, rhs);
                 assert!(worst(&packed) <= 1.0, "packed: {}", worst(&packed));
             }
+        }
+        // One operand rounded but kept f32 (`ffn_bf16_passing` off the kernel) beside a bf16 one,
+        // or two such: the same function, only the bf16 one widened (in blocks when large).
+        let (ra32, rb32) = (tensor(&ra, [m, k]), tensor(&rb, [k, n]));
+        for (lhs, rhs) in [
+            (ra32.clone(), b16.clone()),
+            (a16.clone(), rb32.clone()),
+            (
+                transpose(transpose(tensor(&ra, [m, k])).to_contiguous()),
+                b16.clone(),
+            ),
+            (ra32, rb32),
+        ] {
+            let mixed = <Flex as Kernels>::ffn_matmul(lhs, rhs);
+            assert!(worst(&mixed) <= 1.0, "mixed: {}", worst(&mixed));
         }
         // Unrounded operands: the f32 product is another function (visibly, for sums short
         // enough that their own rounding does not hide it).

@@ -28,7 +28,9 @@ use burn::backend::{Backend, backend_extension};
 use burn::nn::Linear;
 use burn::tensor::Tensor;
 
-use crate::op::{Kernels, Maybe, Precision, add_bias, bias_grad, operand, supported, t};
+use crate::op::{
+    Kernels, Maybe, Precision, add_bias, bias_grad, operand, passing_operand, supported, t,
+};
 
 /// The linear op. Call it through [`linear`].
 #[backend_extension(
@@ -69,7 +71,10 @@ macro_rules! inference_impl {
                 b: Maybe<Self>,
                 precision: Precision,
             ) -> FloatTensor<Self> {
-                let (x, w) = (operand::<Self>(x, precision), operand::<Self>(w, precision));
+                let (x, w) = (
+                    passing_operand::<Self>(x, precision),
+                    operand::<Self>(w, precision),
+                );
                 forward::<Self>(x, w, b.into_option())
             }
         }
@@ -106,7 +111,7 @@ impl<B: Kernels, const N: usize> Backward<B, N> for LinearBackward {
         if let Some(Some(id)) = parents.get(2) {
             grads.register::<B>(*id, bias_grad::<B>(dy.clone()));
         }
-        let dy = operand::<B>(dy, precision);
+        let dy = passing_operand::<B>(dy, precision);
         if let Some(id) = parents[1] {
             grads.register::<B>(id, B::ffn_matmul(t::<B>(x), dy.clone()));
         }

@@ -115,6 +115,25 @@ multiversion! {
     }
 }
 
+// `x` rounded to bf16 in place, each value kept as the f32 of the same value (a bf16's bits
+// are an f32's high 16): operands of products that widen bf16 to f32 anyway.
+multiversion! {
+    pub(crate) fn round_in_place(x: &mut [f32]) {
+        for v in x.iter_mut() {
+            *v = f32::from_bits(u32::from(round_bf16(*v)) << 16);
+        }
+    }
+}
+
+// `round_in_place` of `x` into `out`.
+multiversion! {
+    pub(crate) fn round_f32_into(x: &[f32], out: &mut [f32]) {
+        for (o, &v) in out.iter_mut().zip(x) {
+            *o = f32::from_bits(u32::from(round_bf16(v)) << 16);
+        }
+    }
+}
+
 /// `len` bf16 slots, not zeroed: for a pass that writes every one ([`written`] then).
 pub(crate) fn unwritten(len: usize) -> Vec<MaybeUninit<u16>> {
     let mut v = Vec::with_capacity(len);

@@ -16,7 +16,7 @@ use burn::backend::{Backend, Slice, TensorMetadata};
 use super::hidden::{Pre, rows_of};
 use super::{
     FfnOps, Kernels, Maybe, Memory, Spec, Weights, accumulate, bias_grad, chunks, forward_pass,
-    hidden_operand, inference, masked, operand, t,
+    hidden_operand, inference, masked, operand, passing_operand, t,
 };
 
 /// The parents of the op's node, in order: `x`, then the weights and biases that are present.
@@ -207,15 +207,21 @@ pub(crate) fn backward_pass<B: Kernels>(
 ) -> InputGrads<B> {
     // db_down = Σ_T dy (in f32; the products take dy rounded, in bf16).
     let db_down = need.b_down.then(|| bias_grad::<B>(dy.clone()));
-    let dy = operand::<B>(dy, spec.precision);
+    let ranges = chunks(&pre, spec.memory);
+    let whole = ranges.len() == 1;
+    // Whole, dy is freed after its two products, which may take it rounded in its own buffer;
+    // in chunks it is held to the last one, and a bf16 copy holds less.
+    let dy = if whole {
+        passing_operand::<B>(dy, spec.precision)
+    } else {
+        operand::<B>(dy, spec.precision)
+    };
 
     // The rest row chunk by row chunk (one chunk, the whole batch, unless recomputing):
     // dW_down = hᵀ dy,  dh = dy W_downᵀ (⊙ the dropout mask, with h = φ(·) ⊙ mask, when
     // there is one), then through φ (and the gating product) to the
     // pre-activations, then dW = xᵀ d(pre), db = Σ_T d(pre), dx = Σ d(pre) Wᵀ over the
     // projections; the weight gradients are summed over chunks.
-    let ranges = chunks(&pre, spec.memory);
-    let whole = ranges.len() == 1;
     let (mut pre, mut h) = (Some(pre), h);
     // dy and W_down are freed after their last product (the last chunk's dh), not held
     // through the products of d(pre) that follow.
@@ -282,7 +288,7 @@ pub(crate) fn backward_pass<B: Kernels>(
             Err(pre_r) => {
                 let dh = B::ffn_matmul(dy_r.clone(), t::<B>(w_down_r.clone()));
                 let dh = masked::<B>(dh, &mask, (!whole).then_some(r));
-                B::ffn_hidden_backward_operand(dh, &pre_r, spec.activation, spec.precision, sums)
+                B::ffn_hidden_backward_operand(dh, pre_r, spec.activation, spec.precision, sums)
             }
         };
         drop((dy_r, w_down_r));
@@ -309,7 +315,6 @@ pub(crate) fn backward_pass<B: Kernels>(
                 );
                 accumulate::<B>(&mut db[p], half);
             }
-            let d = operand::<B>(d, spec.precision);
             if need_w {
                 accumulate::<B>(&mut dw[p], B::ffn_matmul(t::<B>(x_r.clone()), d.clone()));
             }

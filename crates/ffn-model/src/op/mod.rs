@@ -198,8 +198,8 @@ pub trait FfnOps: Backend {
 /// The pieces of the op that a backend may compute its own way; the defaults compose burn's ops.
 pub trait Kernels: Backend {
     /// `lhs · rhs` for 2-D operands, either of which may be a transposed view, in f32. Both f32,
-    /// or both as [`ffn_bf16`](Self::ffn_bf16) returns them: by default those are widened to f32
-    /// (exactly) and multiplied as f32.
+    /// or each as [`ffn_bf16`](Self::ffn_bf16) or [`ffn_bf16_passing`](Self::ffn_bf16_passing)
+    /// returns it: by default the bf16 ones are widened to f32 (exactly) and multiplied as f32.
     fn ffn_matmul(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
         let widen = |t: FloatTensor<Self>| match t.dtype() {
             DType::BF16 => Self::float_cast(t, FloatDType::F32),
@@ -212,6 +212,15 @@ pub trait Kernels: Backend {
     /// a bf16 tensor.
     fn ffn_bf16(t: FloatTensor<Self>) -> FloatTensor<Self> {
         Self::float_cast(t, FloatDType::BF16)
+    }
+
+    /// `t` rounded to bf16 as the operand of products that follow at once and do not keep it:
+    /// by default [`ffn_bf16`](Self::ffn_bf16)'s. A backend whose products widen bf16 operands
+    /// to f32 anyway may instead round `t`'s values in place and leave it f32 (no copy now, no
+    /// widening later); its [`ffn_matmul`](Self::ffn_matmul) then takes that f32 operand as
+    /// it is, beside a bf16 one or another like it.
+    fn ffn_bf16_passing(t: FloatTensor<Self>) -> FloatTensor<Self> {
+        Self::ffn_bf16(t)
     }
 
     /// `h = φ(a)` or `h = φ(g) ⊙ u`.
@@ -283,24 +292,22 @@ pub trait Kernels: Backend {
         Err(pre)
     }
 
-    /// [`ffn_hidden_backward`](Self::ffn_hidden_backward) as the products' operands in
-    /// `precision`, and, when `sums`, the column sums of the unrounded gradient (the biases'
-    /// gradients: `[d_ff]`, or `[2·d_ff]` as `[Σ dg | Σ du]` when gated). By default one pass
-    /// each; a backend may do all three in one. A backend may also leave the gradient in f32
-    /// (when rounding it later, once `pre` is freed, holds less memory at once): the caller
-    /// rounds what is still f32.
+    /// [`ffn_hidden_backward`](Self::ffn_hidden_backward) as the operands of the products that
+    /// follow in `precision` (as [`ffn_bf16_passing`](Self::ffn_bf16_passing) gives them), and,
+    /// when `sums`, the column sums of the unrounded gradient (the biases' gradients: `[d_ff]`,
+    /// or `[2·d_ff]` as `[Σ dg | Σ du]` when gated). It takes the pre-activations, which it may
+    /// overwrite with the gradient. By default one pass each, rounding once `pre` is freed; a
+    /// backend may do all three in one.
     fn ffn_hidden_backward_operand(
         dh: FloatTensor<Self>,
-        pre: &Pre<Self>,
+        pre: Pre<Self>,
         activation: Activation,
         precision: Precision,
         sums: bool,
     ) -> (Pre<Self>, Option<FloatTensor<Self>>) {
-        as_operands::<Self>(
-            Self::ffn_hidden_backward(dh, pre, activation),
-            precision,
-            sums,
-        )
+        let d = Self::ffn_hidden_backward(dh, &pre, activation);
+        drop(pre);
+        as_operands::<Self>(d, precision, sums)
     }
 }
 
@@ -319,9 +326,12 @@ pub(crate) fn as_operands<B: Kernels>(
         ),
     });
     let d = match d {
-        Pre::Plain(a) => Pre::Plain(operand::<B>(a, precision)),
-        Pre::Fused(gu) => Pre::Fused(operand::<B>(gu, precision)),
-        Pre::Gated(g, u) => Pre::Gated(operand::<B>(g, precision), operand::<B>(u, precision)),
+        Pre::Plain(a) => Pre::Plain(passing_operand::<B>(a, precision)),
+        Pre::Fused(gu) => Pre::Fused(passing_operand::<B>(gu, precision)),
+        Pre::Gated(g, u) => Pre::Gated(
+            passing_operand::<B>(g, precision),
+            passing_operand::<B>(u, precision),
+        ),
     };
     (d, sums)
 }
@@ -417,6 +427,19 @@ impl<B: Backend> core::fmt::Debug for Weights<B> {
 pub(crate) fn operand<B: Kernels>(t: FloatTensor<B>, precision: Precision) -> FloatTensor<B> {
     match precision {
         Precision::Bf16 if t.dtype() == DType::F32 => B::ffn_bf16(t),
+        _ => t,
+    }
+}
+
+/// The operand in `precision` of products that follow at once and do not keep it
+/// ([`Kernels::ffn_bf16_passing`]): `t` itself in f32 or when already bf16. Not for a tensor
+/// that is rounded again later ([`operand`] takes an f32 one for unrounded).
+pub(crate) fn passing_operand<B: Kernels>(
+    t: FloatTensor<B>,
+    precision: Precision,
+) -> FloatTensor<B> {
+    match precision {
+        Precision::Bf16 if t.dtype() == DType::F32 => B::ffn_bf16_passing(t),
         _ => t,
     }
 }
@@ -613,7 +636,10 @@ pub(crate) fn inference<B: Kernels>(
     w: Weights<B>,
     spec: Spec,
 ) -> FloatTensor<B> {
-    let (x, w) = (operand::<B>(x, spec.precision), w.operands(spec.precision));
+    let (x, w) = (
+        passing_operand::<B>(x, spec.precision),
+        w.operands(spec.precision),
+    );
     if let Some((pre, h)) = project_in_hidden(&x, &w, spec) {
         drop(pre);
         return project_out(h, &w, spec);
