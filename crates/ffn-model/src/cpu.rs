@@ -1153,6 +1153,41 @@ pub(crate) mod tests {
             .collect()
     }
 
+    /// Pre-activations `[m, f]` (`[m, 2·f]` fused) from `draw`, one of each form, with an
+    /// activation: GELU plain, SiLU gated with `u` apart, `fused` for a fused `[g | u]`.
+    fn pre_cases(
+        draw: &mut impl FnMut(usize) -> Vec<f32>,
+        m: usize,
+        f: usize,
+        fused: Activation,
+    ) -> [(Activation, Pre<Flex>); 3] {
+        let tensor = |v: Vec<f32>, shape: [usize; 2]| {
+            FlexTensor::from_data(burn::tensor::TensorData::new(v, shape))
+        };
+        let (a, g, u) = (draw(m * f), draw(m * f), draw(m * f));
+        let gu: Vec<f32> = g
+            .chunks(f)
+            .zip(u.chunks(f))
+            .flat_map(|(g, u)| g.iter().chain(u).copied())
+            .collect();
+        [
+            (Activation::Gelu, Pre::Plain(tensor(a, [m, f]))),
+            (
+                Activation::Silu,
+                Pre::Gated(tensor(g, [m, f]), tensor(u, [m, f])),
+            ),
+            (fused, Pre::Fused(tensor(gu, [m, 2 * f]))),
+        ]
+    }
+
+    /// The tensors of a `Pre`, in order.
+    fn parts(d: &Pre<Flex>) -> Vec<FlexTensor> {
+        match d {
+            Pre::Plain(d) | Pre::Fused(d) => vec![d.clone()],
+            Pre::Gated(dg, du) => vec![dg.clone(), du.clone()],
+        }
+    }
+
     /// `d(pre)` from the fused backward pass is written over the pre-activations when they are
     /// held alone (the same buffer comes back, as bf16 rows in the f32 rows' place), and is
     /// then bit for bit the `d(pre)` written to a buffer of its own (pre-activations shared):
@@ -1174,26 +1209,9 @@ pub(crate) mod tests {
         };
         let dy = round(f32_tensor(draw(m * k), [m, k]));
         let w_down = round(f32_tensor(draw(f * k), [f, k]));
-        let (a, g, u) = (draw(m * f), draw(m * f), draw(m * f));
-        let gu: Vec<f32> = g
-            .chunks(f)
-            .zip(u.chunks(f))
-            .flat_map(|(g, u)| g.iter().chain(u).copied())
-            .collect();
-        let cases = [
-            (Activation::Gelu, Pre::Plain(f32_tensor(a, [m, f]))),
-            (
-                Activation::Silu,
-                Pre::Gated(f32_tensor(g, [m, f]), f32_tensor(u, [m, f])),
-            ),
-            (Activation::Silu, Pre::Fused(f32_tensor(gu, [m, 2 * f]))),
-        ];
+        let cases = pre_cases(&mut draw, m, f, Activation::Silu);
         let values = |d: &Pre<Flex>| -> Vec<u16> {
-            let parts = match d {
-                Pre::Plain(d) | Pre::Fused(d) => vec![d.clone()],
-                Pre::Gated(dg, du) => vec![dg.clone(), du.clone()],
-            };
-            parts
+            parts(d)
                 .into_iter()
                 .flat_map(|d| d.into_data().try_to_vec::<burn::tensor::bf16>().unwrap())
                 .map(|v| v.to_bits())
@@ -1245,27 +1263,11 @@ pub(crate) mod tests {
         let tensor =
             |v: Vec<f32>, shape: [usize; 2]| FlexTensor::from_data(TensorData::new(v, shape));
         let cast = |t: FlexTensor, dtype| <Flex as FloatTensorOps<Flex>>::float_cast(t, dtype);
-        let (dh, a, g, u) = (draw(m * f), draw(m * f), draw(m * f), draw(m * f));
-        let gu: Vec<f32> = g
-            .chunks(f)
-            .zip(u.chunks(f))
-            .flat_map(|(g, u)| g.iter().chain(u).copied())
-            .collect();
-        let cases = [
-            (Activation::Gelu, Pre::Plain(tensor(a, [m, f]))),
-            (
-                Activation::Silu,
-                Pre::Gated(tensor(g, [m, f]), tensor(u, [m, f])),
-            ),
-            (Activation::Relu, Pre::Fused(tensor(gu, [m, 2 * f]))),
-        ];
+        let dh = draw(m * f);
+        let cases = pre_cases(&mut draw, m, f, Activation::Relu);
         // Each part's values as f32 (bf16 ones widened by burn's cast).
         let values = |d: &Pre<Flex>| -> Vec<f32> {
-            let parts = match d {
-                Pre::Plain(d) | Pre::Fused(d) => vec![d.clone()],
-                Pre::Gated(dg, du) => vec![dg.clone(), du.clone()],
-            };
-            parts
+            parts(d)
                 .into_iter()
                 .flat_map(|d| {
                     cast(d, FloatDType::F32)
