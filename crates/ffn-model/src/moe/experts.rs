@@ -23,7 +23,7 @@
 //! them) and kept rounded for the backward pass, which rounds `dy` and `d(pre)`; the gradients,
 //! biases and element-wise passes stay f32.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use burn::backend::autodiff::Autodiff;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
@@ -253,21 +253,31 @@ impl<B: Kernels, const N: usize> Backward<B, N> for ExpertsBackward {
         // Per expert: [dW_gate, dW_up, dW_down, db_gate, db_up, db_down]; dx per group.
         let mut per_expert: [Vec<Option<FloatTensor<B>>>; 6] =
             std::array::from_fn(|_| vec![None; n_experts]);
+        // Each group's pre-activations (and `h`) are moved into its backward pass, not cloned:
+        // held alone there, they can be overwritten by `d(pre)` and freed when used.
+        let (groups, kept): (Vec<_>, Vec<_>) = groups
+            .into_iter()
+            .map(|g| ((g.expert, g.rows), Mutex::new(Some((g.pre, g.h)))))
+            .unzip();
         let computed = B::ffn_each(groups.len(), |i| {
-            let group = &groups[i];
+            let (expert, rows_i) = &groups[i];
+            let (pre, h) = kept[i]
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+                .take()
+                .expect("each group's backward pass runs once");
             backward_pass::<B>(
-                &rows::<B>(&x, &group.rows),
-                rows::<B>(&dy, &group.rows),
-                expert_weights::<B>(&w, group.expert),
-                group.pre.clone(),
-                group.h.clone(),
+                &rows::<B>(&x, rows_i),
+                rows::<B>(&dy, rows_i),
+                expert_weights::<B>(&w, *expert),
+                pre,
+                h,
                 spec,
                 need,
             )
         });
         let mut dx_parts = Vec::with_capacity(groups.len());
-        for (group, g) in groups.iter().zip(computed) {
-            let e = group.expert;
+        for (&(e, _), g) in groups.iter().zip(computed) {
             for (slot, grad) in per_expert
                 .iter_mut()
                 .zip([g.w_gate, g.w_up, g.w_down, g.b_gate, g.b_up, g.b_down])
