@@ -3,6 +3,9 @@
 
 use std::time::Instant;
 
+#[allow(dead_code)] // `enable` and `report` are the train benchmark's
+pub mod sites;
+
 use burn::module::Module;
 use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::{Device, Distribution, Tensor};
@@ -79,7 +82,7 @@ unsafe impl std::alloc::GlobalAlloc for Counting {
         // SAFETY: the caller's contract, forwarded.
         let p = unsafe { std::alloc::System.alloc(layout) };
         if !p.is_null() {
-            grew(layout.size());
+            grew(p, layout.size());
         }
         p
     }
@@ -88,13 +91,14 @@ unsafe impl std::alloc::GlobalAlloc for Counting {
         // SAFETY: the caller's contract, forwarded.
         let p = unsafe { std::alloc::System.alloc_zeroed(layout) };
         if !p.is_null() {
-            grew(layout.size());
+            grew(p, layout.size());
         }
         p
     }
 
     unsafe fn dealloc(&self, p: *mut u8, layout: std::alloc::Layout) {
         // SAFETY: the caller's contract, forwarded.
+        sites::freed(p as usize, layout.size());
         unsafe { std::alloc::System.dealloc(p, layout) };
         LIVE.fetch_sub(layout.size(), std::sync::atomic::Ordering::Relaxed);
     }
@@ -103,17 +107,19 @@ unsafe impl std::alloc::GlobalAlloc for Counting {
         // SAFETY: the caller's contract, forwarded.
         let q = unsafe { std::alloc::System.realloc(p, layout, size) };
         if !q.is_null() {
+            sites::freed(p as usize, layout.size());
             LIVE.fetch_sub(layout.size(), std::sync::atomic::Ordering::Relaxed);
-            grew(size);
+            grew(q, size);
         }
         q
     }
 }
 
-fn grew(bytes: usize) {
+fn grew(p: *mut u8, bytes: usize) {
     use std::sync::atomic::Ordering::Relaxed;
     let live = LIVE.fetch_add(bytes, Relaxed) + bytes;
-    HIGH.fetch_max(live, Relaxed);
+    let high = HIGH.fetch_max(live, Relaxed);
+    sites::made(p as usize, bytes, live >= high);
 }
 
 #[global_allocator]
