@@ -52,8 +52,8 @@ fn child(config: &str, precision: &str, steps: &str, sites: bool) {
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
+    let sites = args.iter().any(|a| a == "--sites");
     if let Some(i) = args.iter().position(|a| a == "--child") {
-        let sites = args.iter().any(|a| a == "--sites");
         return child(&args[i + 1], &args[i + 2], &args[i + 3], sites);
     }
     let value = |flag: &str| {
@@ -61,7 +61,6 @@ fn main() {
         args.get(i + 1).cloned()
     };
     let steps = value("--steps").unwrap_or_else(|| "3".into());
-    let sites = args.iter().any(|a| a == "--sites");
     let config = args
         .iter()
         .find(|a| a.ends_with(".toml"))

@@ -30,13 +30,13 @@ impl Kernels for Flex {
     /// With at least as many pieces as rayon has threads, the pieces run in parallel, each
     /// with unsplit (single-threaded) matrix products: for the experts of a mixture, larger
     /// products per thread than splitting each expert's products over the threads.
-    fn ffn_each<T: Send>(n: usize, work: impl Fn(usize) -> T + Sync) -> Vec<T> {
-        if n < 2 || n < rayon::current_num_threads() {
-            return (0..n).map(work).collect();
+    fn ffn_each<I: Send, T: Send>(items: Vec<I>, work: impl Fn(I) -> T + Sync) -> Vec<T> {
+        if items.len() < 2 || items.len() < rayon::current_num_threads() {
+            return items.into_iter().map(work).collect();
         }
-        (0..n)
+        items
             .into_par_iter()
-            .map(|i| blas::unsplit(|| work(i)))
+            .map(|item| blas::unsplit(|| work(item)))
             .collect()
     }
 

@@ -23,7 +23,7 @@
 //! them) and kept rounded for the backward pass, which rounds `dy` and `d(pre)`; the gradients,
 //! biases and element-wise passes stay f32.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use burn::backend::autodiff::Autodiff;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
@@ -131,9 +131,8 @@ fn grouped_inference<B: Kernels>(
     spec: Spec,
 ) -> FloatTensor<B> {
     let active: Vec<_> = groups.ranges().filter(|(_, r)| !r.is_empty()).collect();
-    let parts = B::ffn_each(active.len(), |i| {
-        let (e, r) = &active[i];
-        inference::<B>(rows::<B>(&x, r), expert_weights::<B>(&w, *e), spec)
+    let parts = B::ffn_each(active, |(e, r)| {
+        inference::<B>(rows::<B>(&x, &r), expert_weights::<B>(&w, e), spec)
     });
     let dtype = x.dtype();
     join::<B>(parts, &x, &w, dtype)
@@ -253,31 +252,22 @@ impl<B: Kernels, const N: usize> Backward<B, N> for ExpertsBackward {
         // Per expert: [dW_gate, dW_up, dW_down, db_gate, db_up, db_down]; dx per group.
         let mut per_expert: [Vec<Option<FloatTensor<B>>>; 6] =
             std::array::from_fn(|_| vec![None; n_experts]);
-        // Each group's pre-activations (and `h`) are moved into its backward pass, not cloned:
-        // held alone there, they can be overwritten by `d(pre)` and freed when used.
-        let (groups, kept): (Vec<_>, Vec<_>) = groups
-            .into_iter()
-            .map(|g| ((g.expert, g.rows), Mutex::new(Some((g.pre, g.h)))))
-            .unzip();
-        let computed = B::ffn_each(groups.len(), |i| {
-            let (expert, rows_i) = &groups[i];
-            let (pre, h) = kept[i]
-                .lock()
-                .unwrap_or_else(|poisoned| poisoned.into_inner())
-                .take()
-                .expect("each group's backward pass runs once");
-            backward_pass::<B>(
-                &rows::<B>(&x, rows_i),
-                rows::<B>(&dy, rows_i),
-                expert_weights::<B>(&w, *expert),
-                pre,
-                h,
+        // Each group (its pre-activations and `h`) is moved into its backward pass, not
+        // cloned: held alone there, they can be overwritten by `d(pre)` and freed when used.
+        let computed = B::ffn_each(groups, |group| {
+            let grads = backward_pass::<B>(
+                &rows::<B>(&x, &group.rows),
+                rows::<B>(&dy, &group.rows),
+                expert_weights::<B>(&w, group.expert),
+                group.pre,
+                group.h,
                 spec,
                 need,
-            )
+            );
+            (group.expert, grads)
         });
-        let mut dx_parts = Vec::with_capacity(groups.len());
-        for (&(e, _), g) in groups.iter().zip(computed) {
+        let mut dx_parts = Vec::with_capacity(computed.len());
+        for (e, g) in computed {
             for (slot, grad) in per_expert
                 .iter_mut()
                 .zip([g.w_gate, g.w_up, g.w_down, g.b_gate, g.b_up, g.b_down])
@@ -329,8 +319,7 @@ fn tracked<B: Kernels, C: CheckpointStrategy, const N: usize>(
             let dtype = x.dtype();
             let (x, w) = (operand::<B>(x, spec.precision), w.operands(spec.precision));
             let active: Vec<_> = groups.ranges().filter(|(_, r)| !r.is_empty()).collect();
-            let computed = B::ffn_each(active.len(), |i| {
-                let (e, r) = active[i].clone();
+            let computed = B::ffn_each(active, |(e, r)| {
                 let we = expert_weights::<B>(&w, e);
                 let (pre, y, h) = forward_pass(&rows::<B>(&x, &r), &we, spec);
                 let h = h.filter(|_| spec.memory == crate::Memory::Save);

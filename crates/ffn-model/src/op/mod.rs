@@ -228,11 +228,12 @@ pub trait Kernels: Backend {
         hidden::hidden::<Self>(pre, activation)
     }
 
-    /// Runs `work(i)` for `i` in `0..n`, pieces of work independent of each other (the
-    /// experts of the grouped op), and returns the results in order: one after another by
-    /// default.
-    fn ffn_each<T: Send>(n: usize, work: impl Fn(usize) -> T + Sync) -> Vec<T> {
-        (0..n).map(work).collect()
+    /// Runs `work` on each of `items`, pieces of work independent of each other (the experts
+    /// of the grouped op), each item moved into its call (so that what it owns, such as an
+    /// expert's saved pre-activations, is held alone there), and returns the results in order:
+    /// one after another by default.
+    fn ffn_each<I: Send, T: Send>(items: Vec<I>, work: impl Fn(I) -> T + Sync) -> Vec<T> {
+        items.into_iter().map(work).collect()
     }
 
     /// The gradient of the pre-activations, given `dh = ∂L/∂h`, in the form of `pre`.
