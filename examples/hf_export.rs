@@ -36,10 +36,23 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let mut model = HfModel::open(&folder)?;
         let weights = out.join(format!("{name}.layer1.safetensors"));
         let (prefix, y) = if folder.join("moe_io.safetensors").is_file() {
-            let prefix = model.moe_layer_prefix(1)?;
-            let moe = model.load_moe_layer(1, &device)?;
+            // A family whose routing ffn has no form for (PhiMoE, JetMoE) is refused: left out.
+            let loaded = model
+                .moe_layer_prefix(1)
+                .and_then(|prefix| Ok((prefix, model.load_moe_layer(1, &device)?)));
+            let (prefix, moe) = match loaded {
+                Ok(loaded) => loaded,
+                Err(e) => {
+                    println!("{name}: left out (refused: {e})");
+                    continue;
+                }
+            };
             let scheme = model.moe_scheme()?;
-            moe.save_safetensors_as(&weights, scheme, &prefix)?;
+            if let Err(e) = moe.save_safetensors_as(&weights, scheme, &prefix) {
+                // The closest scheme cannot hold it (LFM2-MoE's selection bias in Mixtral's names).
+                println!("{name}: left out (no MoeScheme writes its names: {e})");
+                continue;
+            }
             // A family no scheme writes (Jamba's `router.weight`, EXAONE-MoE's bias beside its
             // router) loads, but is written in another family's names: left out.
             let keys = |path: &Path| -> Result<Vec<String>, Box<dyn std::error::Error>> {
@@ -62,8 +75,17 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             let x = input(&folder.join("moe_io.safetensors"), &device)?;
             (prefix, moe.forward(x).output)
         } else if folder.join("ffn_io.safetensors").is_file() {
-            let prefix = model.layer_prefix(1)?;
-            let ffn = model.load_layer(1, &device)?;
+            // So is a family whose FFN has a step ffn's lacks (BitNet, Apertus).
+            let loaded = model
+                .layer_prefix(1)
+                .and_then(|prefix| Ok((prefix, model.load_layer(1, &device)?)));
+            let (prefix, ffn) = match loaded {
+                Ok(loaded) => loaded,
+                Err(e) => {
+                    println!("{name}: left out (refused: {e})");
+                    continue;
+                }
+            };
             ffn.save_safetensors_as(&weights, model.scheme(), &prefix)?;
             let x = input(&folder.join("ffn_io.safetensors"), &device)?;
             (prefix, ffn.forward(x))

@@ -17,6 +17,11 @@ submodule in eval mode:
                  model.layers[i].mlp(x)
     gemma3_mm    Gemma3ForConditionalGeneration (fields in text_config, a vision tower beside)
                  model.language_model.layers[i].mlp(x)
+    mistral, qwen2, granite, cohere, cohere2, olmo, olmo3, exaone4, smollm3, arcee, apertus,
+    ministral, seed_oss, helium, glm4, hunyuan_v1_dense, ernie4_5, bitnet, doge, jais2,
+    minicpm3, vaultgemma, youtu, cwm
+                 model.layers[i].mlp(x) (apertus's xIELU and bitnet's ffn_sub_norm: refused)
+    lfm2         model.layers[i].feed_forward(x)
     gpt_neox, falcon, gptj, gpt_bigcode     the layer's mlp(x)
     bloom, opt, deberta_v2, distilbert      the FFN's two projections and activation as the
                  layer runs them (without its residual, norm or dropout)
@@ -172,6 +177,34 @@ def models():
                                          decoder_attention_heads=2, max_position_embeddings=32),
                  lambda m, i: two(m.model.encoder.layers[i].fc1, m.model.encoder.layers[i].activation_fn,
                                   m.model.encoder.layers[i].fc2)),
+        # Families the reader was not written against (loaded by their keys and fields alone).
+        "mistral": (transformers.MistralForCausalLM, transformers.MistralConfig(**dec, head_dim=8), mlp),
+        "qwen2": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config(**dec), mlp),
+        "granite": (transformers.GraniteForCausalLM, transformers.GraniteConfig(**dec), mlp),
+        "cohere": (transformers.CohereForCausalLM, transformers.CohereConfig(**dec), mlp),
+        "cohere2": (transformers.Cohere2ForCausalLM, transformers.Cohere2Config(**dec, head_dim=8), mlp),
+        "olmo": (transformers.OlmoForCausalLM, transformers.OlmoConfig(**dec), mlp),
+        "olmo3": (transformers.Olmo3ForCausalLM, transformers.Olmo3Config(**dec), mlp),
+        "exaone4": (transformers.Exaone4ForCausalLM, transformers.Exaone4Config(**dec, head_dim=8), mlp),
+        "smollm3": (transformers.SmolLM3ForCausalLM, transformers.SmolLM3Config(**dec, pad_token_id=0), mlp),
+        "arcee": (transformers.ArceeForCausalLM, transformers.ArceeConfig(**dec), mlp),
+        "apertus": (transformers.ApertusForCausalLM, transformers.ApertusConfig(**dec), mlp),
+        "ministral": (transformers.MinistralForCausalLM, transformers.MinistralConfig(**dec, head_dim=8), mlp),
+        "seed_oss": (transformers.SeedOssForCausalLM, transformers.SeedOssConfig(**dec, head_dim=8), mlp),
+        "helium": (transformers.HeliumForCausalLM, transformers.HeliumConfig(**dec, head_dim=8), mlp),
+        "glm4": (transformers.Glm4ForCausalLM, transformers.Glm4Config(**dec, head_dim=8, pad_token_id=0), mlp),
+        "hunyuan_v1_dense": (transformers.HunYuanDenseV1ForCausalLM,
+                             transformers.HunYuanDenseV1Config(**dec, head_dim=8), mlp),
+        "ernie4_5": (transformers.Ernie4_5ForCausalLM, transformers.Ernie4_5Config(**dec, head_dim=8), mlp),
+        "lfm2": (transformers.Lfm2ForCausalLM, transformers.Lfm2Config(**dec, layer_types=["full_attention"] * 2, block_multiple_of=8),
+                 lambda m, i: m.model.layers[i].feed_forward),
+        "bitnet": (transformers.BitNetForCausalLM, transformers.BitNetConfig(**dec), mlp),
+        "doge": (transformers.DogeForCausalLM, transformers.DogeConfig(**dec), mlp),
+        "jais2": (transformers.Jais2ForCausalLM, transformers.Jais2Config(**dec), mlp),
+        "minicpm3": (transformers.MiniCPM3ForCausalLM, transformers.MiniCPM3Config(**dec, q_lora_rank=8, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=8), mlp),
+        "vaultgemma": (transformers.VaultGemmaForCausalLM, transformers.VaultGemmaConfig(**dec, head_dim=8), mlp),
+        "youtu": (transformers.YoutuForCausalLM, transformers.YoutuConfig(**dec, q_lora_rank=8, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=8), mlp),
+        "cwm": (transformers.CwmForCausalLM, transformers.CwmConfig(**dec, head_dim=8), mlp),
         "mpt": (transformers.MptForCausalLM,
                 transformers.MptConfig(**common, d_model=HIDDEN, n_layers=2, n_heads=2, expansion_ratio=2,
                                        max_seq_len=32),

@@ -30,7 +30,13 @@ multimodal model Llama 4 is released as: fields in text_config, a vision tower b
 seven families the reader was not written against: qwen3_5_moe (multimodal, Qwen2-MoE's
 block), glm4_moe, dots1 and exaone_moe (DeepSeek-V3's routing; EXAONE keeps the selection bias
 beside the router), minimax (Mixtral's), flex_olmo (OLMoE's), jamba (softmax top-2 not
-renormalised, with no field to say so).
+renormalised, with no field to say so); and, added later: ernie4_5_moe (softmax scores chosen
+with the `moe_statics` selection bias, shared experts), hunyuan_v1_moe (`gate.wg`, an ungated
+`shared_mlp`), minimax_m2 (sigmoid with a selection bias, no groups), lfm2_moe (sigmoid,
+`expert_bias`, no activation field), afmoe (`router.gate`, sigmoid, `expert_bias`,
+`route_scale`, shared experts), cohere2_moe (softmax of the top-k logits, shared experts
+summed), granitemoeshared, glm4_moe_lite; and two the reader refuses: phimoe (SparseMixer
+routing) and jetmoe (an output bias on the mixture).
 
     pip install torch transformers safetensors && python3 tools/moe_fixtures.py [NAME ...]
 """
@@ -128,6 +134,40 @@ def models():
             **common, intermediate_size=20, moe_intermediate_size=EXPERT, num_experts=8,
             num_experts_per_tok=2, n_group=4, topk_group=2, num_shared_experts=1,
             routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1, head_dim=8)),
+        "ernie4_5_moe": (transformers.Ernie4_5_MoeForCausalLM, transformers.Ernie4_5_MoeConfig(
+            **common, intermediate_size=20, moe_intermediate_size=EXPERT, moe_num_experts=4,
+            moe_k=2, moe_num_shared_experts=1, moe_layer_start_index=1, moe_layer_interval=1)),
+        "hunyuan_v1_moe": (transformers.HunYuanMoEV1ForCausalLM, transformers.HunYuanMoEV1Config(
+            **common, intermediate_size=EXPERT, num_experts=4, moe_topk=2, head_dim=8)),
+        "phimoe": (transformers.PhimoeForCausalLM, transformers.PhimoeConfig(
+            **common, intermediate_size=EXPERT, num_local_experts=4, num_experts_per_tok=2)),
+        "jetmoe": (transformers.JetMoeForCausalLM, transformers.JetMoeConfig(
+            vocab_size=64, hidden_size=HIDDEN, num_hidden_layers=2, num_key_value_heads=2,
+            kv_channels=8, intermediate_size=EXPERT, num_local_experts=4, num_experts_per_tok=2,
+            max_position_embeddings=32)),
+        "granitemoeshared": (transformers.GraniteMoeSharedForCausalLM, transformers.GraniteMoeSharedConfig(
+            **common, intermediate_size=EXPERT, num_local_experts=4, num_experts_per_tok=2,
+            shared_intermediate_size=20)),
+        "minimax_m2": (transformers.MiniMaxM2ForCausalLM, transformers.MiniMaxM2Config(
+            **common, intermediate_size=EXPERT, num_local_experts=4, num_experts_per_tok=2,
+            head_dim=8)),
+        "lfm2_moe": (transformers.Lfm2MoeForCausalLM, transformers.Lfm2MoeConfig(
+            **{k: v for k, v in common.items()}, intermediate_size=20, moe_intermediate_size=EXPERT,
+            num_experts=4, num_experts_per_tok=2, num_dense_layers=1, use_expert_bias=True,
+            layer_types=["full_attention", "full_attention"])),
+        "afmoe": (transformers.AfmoeForCausalLM, transformers.AfmoeConfig(
+            **common, intermediate_size=20, moe_intermediate_size=EXPERT, num_experts=4,
+            num_experts_per_tok=2, num_shared_experts=1, num_dense_layers=1, head_dim=8,
+            route_scale=2.5, layer_types=["full_attention", "full_attention"])),
+        "cohere2_moe": (transformers.Cohere2MoeForCausalLM, transformers.Cohere2MoeConfig(
+            **common, intermediate_size=EXPERT, num_experts=4, num_experts_per_tok=2,
+            num_shared_experts=1, head_dim=8, shared_expert_combination_strategy="sum")),
+        "glm4_moe_lite": (transformers.Glm4MoeLiteForCausalLM, transformers.Glm4MoeLiteConfig(
+            **common, intermediate_size=20, moe_intermediate_size=EXPERT, n_routed_experts=8,
+            num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1,
+            routed_scaling_factor=2.5, norm_topk_prob=True, kv_lora_rank=8, q_lora_rank=None,
+            qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
+            mlp_layer_types=["dense", "sparse"])),
         "jamba": (transformers.JambaForCausalLM, transformers.JambaConfig(
             **common, intermediate_size=EXPERT, num_experts=4, num_experts_per_tok=2,
             expert_layer_period=1, expert_layer_offset=0, attn_layer_period=1, attn_layer_offset=0,
@@ -168,7 +208,9 @@ def main(only):
         (folder / "generation_config.json").unlink(missing_ok=True)  # not read, not committed
         block = sparse_block(model, 1).double()
         router = block.gate if hasattr(block, "gate") else block.router
-        router = getattr(router, "layer", router)  # DBRX's router holds its Linear
+        # DBRX's, JetMoE's, HunYuan's and AFMoE's routers hold their Linear.
+        router = next(m for m in router.modules() if isinstance(m, torch.nn.Linear)) \
+            if not isinstance(router, torch.nn.Linear) and not hasattr(router, "weight") else router
         x = torch.randn(2, 5, HIDDEN, dtype=torch.float64, requires_grad=True)
         g = torch.randn(2, 5, HIDDEN, dtype=torch.float64)
         y = block(x)
@@ -177,11 +219,14 @@ def main(only):
         (y * g).sum().backward()
         logits = torch.nn.functional.linear(x.reshape(-1, HIDDEN), router.weight,
                                             getattr(router, "bias", None))
-        if hasattr(block.experts, "mlp"):
+        if hasattr(block, "experts") and hasattr(block.experts, "mlp"):
             # DBRX: w1, v1, w2 each [E·f, hidden]; w2's block is down's transpose.
             mlp = block.experts.mlp
             rows = lambda w: w.grad.view(mlp.w1.shape[0] // EXPERT, EXPERT, HIDDEN)[1]  # noqa: E731
             grad, grad_down = torch.cat([rows(mlp.w1), rows(mlp.v1)]), rows(mlp.w2).T
+        elif hasattr(block, "input_linear"):
+            # JetMoE: input_linear [E, 2f, hidden] (gate then up), output_linear [E, hidden, f].
+            grad, grad_down = block.input_linear.weight.grad[1], block.output_linear.weight.grad[1]
         else:
             gate_up, down = block.experts.gate_up_proj, block.experts.down_proj
             if gate_up.shape[1] == HIDDEN:

@@ -142,8 +142,93 @@ fn families_the_reader_was_not_written_for_load_by_their_patterns() {
         ("xlm-roberta", Activation::Gelu, false, 40, Scheme::Bert),
         ("bart", Activation::Gelu, false, 40, Scheme::Fc),
         ("mpt", Activation::Gelu, false, 64, Scheme::Llama),
+        // LFM2 states `intermediate_size` 40 and `block_auto_adjust_ff_dim`: ⌊2·40/3⌋ = 26,
+        // rounded up to its `block_multiple_of` 8.
+        ("lfm2", Activation::Silu, true, 32, Scheme::MetaLlama),
+        ("glm4", Activation::Silu, true, 40, Scheme::GateUpProj),
+        ("arcee", Activation::Relu2, false, 40, Scheme::Llama),
+        ("jais2", Activation::Relu2, false, 40, Scheme::Llama),
+        ("vaultgemma", Activation::GeluTanh, true, 40, Scheme::Llama),
     ] {
         reproduces(name, activation, gated, d_ff, scheme);
+    }
+    // Llama's SwiGLU under other names and fields.
+    for name in [
+        "mistral",
+        "ministral",
+        "qwen2",
+        "granite",
+        "cohere",
+        "cohere2",
+        "olmo",
+        "olmo3",
+        "exaone4",
+        "smollm3",
+        "seed_oss",
+        "helium",
+        "hunyuan_v1_dense",
+        "ernie4_5",
+        "doge",
+        "minicpm3",
+        "youtu",
+        "cwm",
+    ] {
+        reproduces(name, Activation::Silu, true, 40, Scheme::Llama);
+    }
+}
+
+/// Families whose FFN computes a step ffn's layer has no form for are refused with the
+/// tensor or field that shows it, never loaded as a layer computing another function:
+/// BitNet's `ffn_sub_norm` (an RMSNorm between the hidden layer and `down_proj`), Apertus's
+/// xIELU activation (with parameters of its own). So is any tensor beside the projections
+/// in an FFN's own module; a layer's other tensors (BERT's and OPT's FFNs are parts of the
+/// layer's module) are not the FFN's.
+#[test]
+fn ffn_steps_ffn_lacks_are_refused() {
+    let device = burn::tensor::Device::flex();
+    let mut bitnet = HfModel::open(folder("bitnet")).unwrap();
+    for layer in 0..2 {
+        let result = bitnet.load_layer(layer, &device).map(drop);
+        let expected = format!("model.layers.{layer}.mlp.ffn_sub_norm.weight");
+        assert!(
+            matches!(&result, Err(Error::UnexpectedTensor { key, .. }) if *key == expected),
+            "{result:?}"
+        );
+    }
+    let apertus = HfModel::open(folder("apertus")).unwrap();
+    let result = apertus.ffn_config().map(drop);
+    assert!(
+        matches!(&result, Err(Error::HfConfig { field, message, .. })
+            if field == "hidden_act" && message.contains("xielu")),
+        "{result:?}"
+    );
+    // The llama fixture with a norm added inside its `mlp.`: refused; added to the layer
+    // beside `mlp.`: not the FFN's.
+    for (key, refused) in [
+        ("model.layers.1.mlp.sub_norm.weight", true),
+        ("model.layers.1.mlp_norm.weight", false),
+    ] {
+        let dir = scratch("hf-llama-extra-norm");
+        let source = folder("llama");
+        std::fs::copy(source.join("config.json"), dir.join("config.json")).unwrap();
+        let bytes = std::fs::read(source.join("model.safetensors")).unwrap();
+        let file = SafeTensors::deserialize(&bytes).unwrap();
+        let ones: Vec<u8> = [1.0f32; 40].iter().flat_map(|v| v.to_le_bytes()).collect();
+        let mut views: Vec<(String, safetensors::tensor::TensorView)> = file.tensors();
+        let norm = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![40], &ones);
+        views.push((key.to_string(), norm.unwrap()));
+        let written = safetensors::serialize(views, None).unwrap();
+        std::fs::write(dir.join("model.safetensors"), written).unwrap();
+        let mut model = HfModel::open(&dir).unwrap();
+        let result = model.load_layer(1, &device).map(drop);
+        if refused {
+            assert!(
+                matches!(&result, Err(Error::UnexpectedTensor { key: k, .. }) if k == key),
+                "{key}: {result:?}"
+            );
+        } else {
+            assert!(result.is_ok(), "{key}: {result:?}");
+        }
     }
 }
 

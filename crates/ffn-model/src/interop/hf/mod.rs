@@ -146,10 +146,14 @@ const DROPOUT_FIELDS: [(&str, DropoutAt); 4] = [
 
 /// What only a family's own code says, where its config and keys cannot: the activation of
 /// a family whose config names none (BLOOM's `bloom_gelu` is the tanh form, MPT's `nn.GELU()`
-/// the exact one), and the families
+/// the exact one, LFM2's and LFM2-MoE's SwiGLU its `F.silu`), and the families
 /// whose `c_fc`/`c_proj` are GPT-2's `Conv1D` when the shapes cannot tell (`d_ff = d_model`).
-const DEFAULT_ACTIVATION: [(&str, Activation); 2] =
-    [("bloom", Activation::GeluTanh), ("mpt", Activation::Gelu)];
+const DEFAULT_ACTIVATION: [(&str, Activation); 4] = [
+    ("bloom", Activation::GeluTanh),
+    ("mpt", Activation::Gelu),
+    ("lfm2", Activation::Silu),
+    ("lfm2_moe", Activation::Silu),
+];
 const CONV1D_TYPES: [&str; 1] = ["gpt2"];
 
 impl HfModel {
@@ -564,6 +568,11 @@ impl HfModel {
         for (fields, size) in [(&D_MODEL_FIELDS[..], d_model), (&D_FF_FIELDS[..], d_ff)] {
             if let Some(field) = self.first_field(fields) {
                 let stated = self.size(field)?;
+                let stated = if size == d_ff {
+                    self.auto_adjusted_d_ff(stated)?
+                } else {
+                    stated
+                };
                 if stated != size {
                     return Err(self.error(
                         field,
@@ -587,6 +596,33 @@ impl HfModel {
             .with_bias_gate(bias(Role::Gate))
             .with_bias_up(bias(Role::Up))
             .with_bias_down(bias(Role::Down)))
+    }
+
+    /// LFM2's `block_auto_adjust_ff_dim`: its FFNs are `⌊2·d_ff/3⌋` wide, and with a
+    /// `block_ffn_dim_multiplier` that times it, rounded up to a multiple of
+    /// `block_multiple_of` (the sizing of Llama's reference SwiGLU, as `transformers` does it).
+    /// Without the field, `d_ff` as stated.
+    fn auto_adjusted_d_ff(&self, d_ff: usize) -> Result<usize, Error> {
+        let field = "block_auto_adjust_ff_dim";
+        match self.config.get(field) {
+            None | Some(Value::Null | Value::Bool(false)) => return Ok(d_ff),
+            Some(Value::Bool(true)) => {}
+            Some(v) => return Err(self.error(field, format!("must be a boolean, got {v}"))),
+        }
+        let two_thirds = 2 * d_ff / 3;
+        if self.first_field(&["block_ffn_dim_multiplier"]).is_none() {
+            return Ok(two_thirds);
+        }
+        let multiplier = self.number("block_ffn_dim_multiplier", 1.0)?;
+        let multiple = self.size("block_multiple_of")?.max(1);
+        let scaled = multiplier * two_thirds as f64;
+        if !(scaled.is_finite() && scaled >= 0.0 && scaled < usize::MAX as f64 / 2.0) {
+            return Err(self.error(
+                "block_ffn_dim_multiplier",
+                format!("{multiplier} gives no FFN width"),
+            ));
+        }
+        Ok((scaled as usize).div_ceil(multiple) * multiple)
     }
 
     /// The key prefix of layer `layer`'s dense FFN, as this folder's keys have it (found by
@@ -633,6 +669,28 @@ impl HfModel {
     pub fn load_layer(&mut self, layer: usize, device: &Device) -> Result<FeedForward, Error> {
         let config = self.ffn_config()?;
         let (prefix, scheme) = self.layer_ffn(layer)?;
+        // An FFN module of its own (`…mlp.`, not a whole layer as BERT's or OPT's prefix is)
+        // holds its projections only: another tensor there (BitNet's `ffn_sub_norm`) belongs
+        // to a step of its function that ffn would leave out.
+        let own_module = prefix
+            .trim_end_matches('.')
+            .rsplit('.')
+            .next()
+            .is_some_and(|last| !last.is_empty() && last.parse::<usize>().is_err());
+        if own_module
+            && let Some(key) = self
+                .files
+                .keys()
+                .find(|k| k.starts_with(prefix.as_str()) && !scheme.owns(k, &prefix))
+        {
+            return Err(Error::UnexpectedTensor {
+                key: key.to_string(),
+                hint: format!(
+                    " (the FFN module `{prefix}` has only its {scheme} projections in ffn: \
+                     what this tensor computes is not part of the layer)"
+                ),
+            });
+        }
         config
             .try_init(device)?
             .load_from(&mut self.files, scheme, &prefix)

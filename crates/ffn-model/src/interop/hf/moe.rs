@@ -24,6 +24,14 @@
 //! | `gpt_oss` | `model.layers.i.mlp.` | `router.weight`, `router.bias`; packed `experts.gate_up_proj` `[E, d_model, 2·d_ff]` (gate and up interleaved) and `experts.down_proj` `[E, d_ff, d_model]`, with `_bias` `[E, 2·d_ff]`, `[E, d_model]` | `num_local_experts`, `intermediate_size`, `swiglu_limit` (the clamped SwiGLU, [`Activation::SwigluOai`]) (softmax of the top-k logits) |
 //! | `llama4_text`, `llama4` | `model.layers.i.feed_forward.` | `router.weight`; packed `experts.gate_up_proj` `[E, d_model, 2·d_ff]` (gate half first), `experts.down_proj` `[E, d_ff, d_model]`; `shared_expert.*` | `num_local_experts`, `intermediate_size` (the dense layers': `intermediate_size_mlp`), `moe_layers` (sigmoid top-k scaling the expert's input: the one routing no field states) |
 //!
+//! Families no row names load by the same keys and fields (tested against `transformers`:
+//! Qwen3.5-MoE, GLM-4-MoE and -Lite, dots.llm1, EXAONE-MoE, MiniMax and MiniMax-M2, FlexOlmo,
+//! Jamba, GraniteMoeShared, Cohere2-MoE, ERNIE-4.5-MoE, HunYuan-MoE, LFM2-MoE, AFMoE): a
+//! selection bias where any of them keeps it (`SELECTION_BIAS`), the scoring function a field
+//! names (`SCORING_FIELDS`), the routers and shared experts of `ROUTERS` and `SHARED`.
+//! What no key or field shows and the layer cannot compute is refused by name
+//! (`UNSUPPORTED_ROUTING`: PhiMoE's SparseMixer), or by the field or tensor that shows it.
+//!
 //! Every type also accepts the packed layout that `transformers` holds in memory (and some
 //! exports write): `experts.gate_up_proj` `[E, 2·d_ff, d_model]` and `experts.down_proj`
 //! `[E, d_model, d_ff]`, or both transposed (gpt-oss's and Llama 4's layout; the two shapes
@@ -73,11 +81,42 @@ pub enum MoeScheme {
 /// are packed: `([gate; up] [E, 2·d_ff, d_model], down [E, d_model, d_ff])`. `transformers`
 /// holds every type packed as `experts.gate_up_proj` in memory (and some exports write it);
 /// GraniteMoE's files are packed as `input_linear`/`output_linear`.
-const ROUTERS: [&str; 3] = ["gate.weight", "router.layer.weight", "router.weight"];
+/// HunYuan-MoE's router is `gate.wg`, AFMoE's `router.gate`.
+const ROUTERS: [&str; 5] = [
+    "gate.weight",
+    "router.layer.weight",
+    "router.weight",
+    "gate.wg.weight",
+    "router.gate.weight",
+];
 /// Where a block keeps DeepSeek-V3's selection bias: on its router (DeepSeek-V3, GLM-4-MoE,
-/// dots.llm1) or beside it (EXAONE-MoE).
-pub(super) const SELECTION_BIAS: [&str; 2] =
-    ["gate.e_score_correction_bias", "e_score_correction_bias"];
+/// dots.llm1) or beside it (EXAONE-MoE, MiniMax-M2), in ERNIE 4.5's `moe_statics` (`[1, E]`),
+/// or as LFM2-MoE's and AFMoE's `expert_bias`.
+pub(super) const SELECTION_BIAS: [&str; 4] = [
+    "gate.e_score_correction_bias",
+    "e_score_correction_bias",
+    "moe_statics.e_score_correction_bias",
+    "expert_bias",
+];
+/// The fields that name the router's scoring function (DeepSeek-V3 and MiniMax-M2's
+/// `scoring_func`, AFMoE's `score_func`, Cohere2-MoE's `expert_selection_fn`): `softmax` or
+/// `sigmoid`. Without one, a selection bias means sigmoid scores (DeepSeek-V3), except for the
+/// types of [`SOFTMAX_SELECTION`].
+const SCORING_FIELDS: [&str; 3] = ["scoring_func", "score_func", "expert_selection_fn"];
+/// The model types that choose by softmax scores plus a selection bias with no field to say
+/// so: ERNIE 4.5's `moe_statics`.
+const SOFTMAX_SELECTION: [&str; 1] = ["ernie4_5_moe"];
+/// The model types whose routing this reader cannot express, and why: loading them as their
+/// keys suggest would compute another function.
+const UNSUPPORTED_ROUTING: [(&str, &str); 1] = [(
+    "phimoe",
+    "PhiMoE routes with SparseMixer (each of its top 2 experts weighted by a softmax over \
+     the logits within a jitter band of it), which ffn's router does not implement",
+)];
+/// Where a block keeps its shared experts: Qwen2-MoE's and Llama 4's one `shared_expert`,
+/// HunYuan-MoE's one `shared_mlp`, or DeepSeek's `shared_experts` (`n_shared_experts` of the
+/// experts' width, stored as one MLP).
+pub(super) const SHARED: [&str; 3] = ["shared_expert.", "shared_mlp.", "shared_experts."];
 /// The model types whose routing no config field states: Llama 4's sigmoid top-k, whose weight
 /// scales the expert's input ([`MoeConfig::weight_input`]), not renormalised.
 const INPUT_WEIGHTED: [&str; 2] = ["llama4_text", "llama4"];
@@ -169,7 +208,9 @@ impl HfModel {
         let mut blocks: Vec<(usize, String)> = self
             .files
             .keys()
-            .filter_map(|key| ROUTERS.iter().find_map(|r| key.strip_suffix(r)))
+            // Every router name a key ends with (AFMoE's `router.gate.weight` also ends with
+            // `gate.weight`): the prefixes without experts are dropped below.
+            .flat_map(|key| ROUTERS.iter().filter_map(|r| key.strip_suffix(r)))
             .filter(|p| p.is_empty() || p.ends_with('.'))
             .filter(|p| {
                 with_experts.contains(p)
@@ -239,6 +280,9 @@ impl HfModel {
     /// load with [`load_layer`](Self::load_layer).
     pub fn moe_config(&self) -> Result<MoeConfig, Error> {
         let kind = self.model_type();
+        if let Some((_, why)) = UNSUPPORTED_ROUTING.iter().find(|(t, _)| *t == kind) {
+            return Err(self.error("model_type", format!("`{kind}`: {why}")));
+        }
         let Some((_, prefix)) = self.sparse_blocks().into_iter().next() else {
             return Err(self.error(
                 "model_type",
@@ -285,7 +329,7 @@ impl HfModel {
             "moe_num_experts",
         ])?;
         let top_k_field = self
-            .first_field(&["num_experts_per_tok", "moe_top_k"])
+            .first_field(&["num_experts_per_tok", "moe_top_k", "moe_k", "moe_topk"])
             .unwrap_or("num_experts_per_tok");
         let top_k = self.size(top_k_field)?;
         if top_k > n_experts {
@@ -324,14 +368,29 @@ impl HfModel {
             .with_loss_coefs(coef, 0.0)
             .with_jitter(jitter)
             .with_normalize_top_k(normalize);
-        config = config.with_routed_scaling(self.number("routed_scaling_factor", 1.0)?);
-        if has_any("shared_expert.") {
+        let scaling = self
+            .first_field(&["routed_scaling_factor", "route_scale"])
+            .map_or(Ok(1.0), |f| self.number(f, 1.0))?;
+        config = config.with_routed_scaling(scaling);
+        // Cohere2-MoE may average the routed and shared outputs instead of adding them.
+        let combination = self.string("shared_expert_combination_strategy", "sum")?;
+        if combination != "sum" {
+            return Err(self.error(
+                "shared_expert_combination_strategy",
+                format!(
+                    "`{combination}`: ffn adds the shared experts' output to the routed \
+                     experts' (`sum`)"
+                ),
+            ));
+        }
+        if let Some(shared) = SHARED[..2].iter().find(|s| has_any(s)) {
             // Qwen2-MoE and Qwen3-Next: one shared expert of its own width, gated by σ(x·w);
-            // Llama 4: ungated, and no field states its width (its up projection's rows do).
+            // Llama 4 and HunYuan-MoE: ungated, and no field states its width (its up
+            // projection's rows do).
             let width = match self.first_field(&["shared_expert_intermediate_size"]) {
                 Some(field) => self.size(field)?,
                 None => {
-                    let key = format!("{prefix}shared_expert.up_proj.weight");
+                    let key = format!("{prefix}{shared}up_proj.weight");
                     match self.files.info(&key).map(|i| i.shape.as_slice()) {
                         Some([rows, _]) => *rows,
                         _ => {
@@ -345,8 +404,13 @@ impl HfModel {
             };
             config = config.with_shared_experts(1, Some(width), has("shared_expert_gate.weight"));
         } else if has_any("shared_experts.") {
-            // DeepSeek: `n_shared_experts` ungated shared experts of the experts' width.
-            let count = first(&["n_shared_experts", "num_shared_experts"])?;
+            // DeepSeek, ERNIE 4.5, AFMoE: `n_shared_experts` ungated shared experts of the
+            // experts' width.
+            let count = first(&[
+                "n_shared_experts",
+                "num_shared_experts",
+                "moe_num_shared_experts",
+            ])?;
             config = config.with_shared_experts(count, None, false);
         }
         if INPUT_WEIGHTED.contains(&kind) {
@@ -357,13 +421,43 @@ impl HfModel {
         }
         let selection_bias = SELECTION_BIAS.iter().any(|key| has(key));
         let method = self.string("topk_method", "")?;
+        let scoring = match self.first_field(&SCORING_FIELDS) {
+            Some(field) => match self.string(field, "")?.as_str() {
+                "softmax" => Some(Scoring::Softmax),
+                "sigmoid" => Some(Scoring::Sigmoid),
+                other => {
+                    return Err(self.error(
+                        field,
+                        format!("`{other}` is not a scoring ffn's router has (softmax, sigmoid)"),
+                    ));
+                }
+            },
+            None => None,
+        };
+        if let Some(scoring) = scoring {
+            config = config.with_scoring(scoring);
+            // Cohere2-MoE's softmax is over the top-k logits: the top k renormalised.
+            if scoring == Scoring::Softmax
+                && self.first_field(&SCORING_FIELDS) == Some("expert_selection_fn")
+            {
+                config = config.with_normalize_top_k(true);
+            }
+        }
         if selection_bias {
-            // DeepSeek-V3's auxiliary-loss-free routing (`noaux_tc`): sigmoid scores, a
-            // selection bias, groups scored by their two best.
+            // DeepSeek-V3's auxiliary-loss-free routing (`noaux_tc`): sigmoid scores (unless a
+            // field or the type says softmax: ERNIE 4.5), a selection bias, and where
+            // `n_group` is stated, groups scored by their two best.
+            let softmax = SOFTMAX_SELECTION.contains(&kind);
             config = config
-                .with_scoring(Scoring::Sigmoid)
-                .with_selection_bias(true, 0.001)
-                .with_groups(self.size("n_group")?, self.size("topk_group")?);
+                .with_scoring(scoring.unwrap_or(if softmax {
+                    Scoring::Softmax
+                } else {
+                    Scoring::Sigmoid
+                }))
+                .with_selection_bias(true, 0.001);
+            if self.first_field(&["n_group"]).is_some() {
+                config = config.with_groups(self.size("n_group")?, self.size("topk_group")?);
+            }
         } else if method == "group_limited_greedy" {
             // DeepSeek-V2: softmax scores, groups scored by their best.
             config = config

@@ -9,7 +9,7 @@ use std::path::Path;
 
 use burn::tensor::{Device, Tensor, TensorData};
 
-use super::moe::{MoeScheme, PACKED, SELECTION_BIAS, bias_key};
+use super::moe::{MoeScheme, PACKED, SELECTION_BIAS, SHARED, bias_key};
 use crate::interop::host::{HostTensor, to_host, to_pytorch, transpose};
 use crate::interop::safetensors::{TensorFiles, serialize};
 use crate::interop::weights::load_param;
@@ -44,7 +44,11 @@ impl HfModel {
                 .map(|key| format!("{prefix}{key}"))
                 .find(|key| reader.files.info(key).is_some())
                 .expect("moe_config found it");
-            Some(reader.take(&key, &[e_count])?)
+            // ERNIE 4.5 keeps it as `[1, E]`.
+            let row = reader.files.info(&key).map(|i| i.shape.as_slice()) == Some(&[1, e_count]);
+            let shape: &[usize] = if row { &[1, e_count] } else { &[e_count] };
+            let bias = reader.take(&key, shape)?;
+            Some(TensorData::new(values(&bias), [e_count]))
         } else {
             None
         };
@@ -158,17 +162,18 @@ impl HfModel {
             }
         }
 
-        let (shared_prefix, shared_gate) = if config.n_shared_experts == 0 {
-            (None, None)
-        } else if config.shared_expert_gate {
-            (
-                Some(format!("{prefix}shared_expert.")),
-                Some(reader.take(&format!("{prefix}shared_expert_gate.weight"), &[1, d])?),
-            )
-        } else if config.shared_d_ff.is_some() {
-            (Some(format!("{prefix}shared_expert.")), None)
+        // The shared experts' prefix: the first of `SHARED` with keys (`moe_config` found one).
+        let shared_prefix = (config.n_shared_experts > 0).then(|| {
+            SHARED
+                .iter()
+                .map(|s| format!("{prefix}{s}"))
+                .find(|s| reader.files.keys().any(|k| k.starts_with(s.as_str())))
+                .unwrap_or_else(|| format!("{prefix}{}", SHARED[0]))
+        });
+        let shared_gate = if config.shared_expert_gate {
+            Some(reader.take(&format!("{prefix}shared_expert_gate.weight"), &[1, d])?)
         } else {
-            (Some(format!("{prefix}shared_experts.")), None)
+            None
         };
         let Reader { files, used } = reader;
         // Anything else under the prefix (an extra expert, a bias the layer does not have) is
