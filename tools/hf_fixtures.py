@@ -22,6 +22,8 @@ submodule in eval mode:
     minicpm3, vaultgemma, youtu, cwm
                  model.layers[i].mlp(x) (apertus's xIELU and bitnet's ffn_sub_norm: refused)
     lfm2         model.layers[i].feed_forward(x)
+    nemotron_h   model.layers[i].mixer(x); falcon_h1 model.layers[i].feed_forward(x) and gemma3n
+                 model.layers[i].mlp(x) (refused: mlp_multipliers, activation_sparsity_pattern)
     gpt_neox, falcon, gptj, gpt_bigcode     the layer's mlp(x)
     bloom, opt, deberta_v2, distilbert      the FFN's two projections and activation as the
                  layer runs them (without its residual, norm or dropout)
@@ -205,6 +207,22 @@ def models():
         "vaultgemma": (transformers.VaultGemmaForCausalLM, transformers.VaultGemmaConfig(**dec, head_dim=8), mlp),
         "youtu": (transformers.YoutuForCausalLM, transformers.YoutuConfig(**dec, q_lora_rank=8, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=8), mlp),
         "cwm": (transformers.CwmForCausalLM, transformers.CwmConfig(**dec, head_dim=8), mlp),
+        # Hybrids with Mamba layers: Nemotron-H's MLP layers (ReLU², its `mlp_hidden_act`) are
+        # its `mixer`; Falcon-H1 scales its gate's pre-activation and its output
+        # (`mlp_multipliers`, refused); Gemma 3n sparsifies its activations (refused).
+        "nemotron_h": (transformers.NemotronHForCausalLM, transformers.NemotronHConfig(
+            vocab_size=64, hidden_size=HIDDEN, intermediate_size=INTER, num_attention_heads=2,
+            num_key_value_heads=2, layers_block_type=["mlp", "mlp"], mamba_num_heads=2,
+            mamba_head_dim=8, head_dim=8, n_groups=1, ssm_state_size=8, chunk_size=8),
+            lambda m, i: m.model.layers[i].mixer),
+        "falcon_h1": (transformers.FalconH1ForCausalLM, transformers.FalconH1Config(
+            **dec, head_dim=8, mlp_multipliers=[0.5, 2.0], mamba_d_ssm=16, mamba_n_heads=2,
+            mamba_d_head=8, mamba_d_state=8, mamba_chunk_size=8),
+            lambda m, i: m.model.layers[i].feed_forward),
+        "gemma3n": (transformers.Gemma3nForCausalLM, transformers.Gemma3nTextConfig(
+            **dec, head_dim=8, activation_sparsity_pattern=[0.95, 0.0],
+            layer_types=["full_attention"] * 2, num_kv_shared_layers=0,
+            hidden_size_per_layer_input=8, vocab_size_per_layer_input=64, laurel_rank=4), mlp),
         "mpt": (transformers.MptForCausalLM,
                 transformers.MptConfig(**common, d_model=HIDDEN, n_layers=2, n_heads=2, expansion_ratio=2,
                                        max_seq_len=32),

@@ -149,6 +149,8 @@ fn families_the_reader_was_not_written_for_load_by_their_patterns() {
         ("arcee", Activation::Relu2, false, 40, Scheme::Llama),
         ("jais2", Activation::Relu2, false, 40, Scheme::Llama),
         ("vaultgemma", Activation::GeluTanh, true, 40, Scheme::Llama),
+        // Nemotron-H: its MLP layers are `mixer`s, their activation its `mlp_hidden_act`.
+        ("nemotron_h", Activation::Relu2, false, 40, Scheme::Llama),
     ] {
         reproduces(name, activation, gated, d_ff, scheme);
     }
@@ -180,7 +182,10 @@ fn families_the_reader_was_not_written_for_load_by_their_patterns() {
 /// Families whose FFN computes a step ffn's layer has no form for are refused with the
 /// tensor or field that shows it, never loaded as a layer computing another function:
 /// BitNet's `ffn_sub_norm` (an RMSNorm between the hidden layer and `down_proj`), Apertus's
-/// xIELU activation (with parameters of its own). So is any tensor beside the projections
+/// xIELU activation (with parameters of its own), Falcon-H1's `mlp_multipliers` (its gate's
+/// pre-activation and its output scaled; `[1, 1]` loads), Gemma 3n's
+/// `activation_sparsity_pattern` (a top-k of its activations). So is any tensor beside the
+/// projections
 /// in an FFN's own module; a layer's other tensors (BERT's and OPT's FFNs are parts of the
 /// layer's module) are not the FFN's.
 #[test]
@@ -202,6 +207,27 @@ fn ffn_steps_ffn_lacks_are_refused() {
             if field == "hidden_act" && message.contains("xielu")),
         "{result:?}"
     );
+    for (name, field) in [
+        ("falcon_h1", "mlp_multipliers"),
+        ("gemma3n", "activation_sparsity_pattern"),
+    ] {
+        let mut model = HfModel::open(folder(name)).unwrap();
+        let result = model.load_layer(0, &device).map(drop);
+        assert!(
+            matches!(&result, Err(Error::HfConfig { field: f, .. }) if f == field),
+            "{name}: {result:?}"
+        );
+    }
+    // With neutral values the same files load: Falcon-H1's FFN is then Llama's.
+    let neutral = altered(
+        "falcon_h1",
+        "neutral",
+        |c| c["mlp_multipliers"] = serde_json::json!([1.0, 1.0]),
+        &[],
+        None,
+    );
+    let mut model = HfModel::open(&neutral).unwrap();
+    assert_eq!(model.load_layer(1, &device).unwrap().d_ff(), 40);
     // The llama fixture with a norm added inside its `mlp.`: refused; added to the layer
     // beside `mlp.`: not the FFN's.
     for (key, refused) in [

@@ -15,7 +15,7 @@
 //!   `nn.Linear` for `c_fc`/`c_proj` from the weight's shape against `d_model`.
 //! - **Sizes, gating, biases**: from the tensors (`d_model`, `d_ff`, whether a gate and each
 //!   bias are there).
-//! - **Activation**: the first of `hidden_activation`, `hidden_act`, `activation_function`,
+//! - **Activation**: the first of `mlp_hidden_act` (Nemotron-H), `hidden_activation`, `hidden_act`, `activation_function`,
 //!   `activation`, `feed_forward_proj` (T5's `gated-gelu` is the tanh GELU, as
 //!   `transformers` maps it to `gelu_new`). **Dropout**: `hidden_dropout_prob`,
 //!   `resid_pdrop`, `hidden_dropout` (on the output), `dropout_rate` (T5, on the hidden
@@ -127,8 +127,10 @@ const D_FF_FIELDS: [&str; 7] = [
 ];
 const LAYER_FIELDS: [&str; 4] = ["num_hidden_layers", "num_layers", "n_layer", "n_layers"];
 /// `hidden_activation` first: Gemma 2 and 3 and ModernBERT read it, and Gemma 1 leaves it null.
-/// DBRX's `ffn_act_fn` is an object, `{"name": "silu"}`.
-const ACTIVATION_FIELDS: [&str; 6] = [
+/// Nemotron-H names its MLPs' (`mlp_hidden_act`) beside its Mamba layers'. DBRX's `ffn_act_fn`
+/// is an object, `{"name": "silu"}`.
+const ACTIVATION_FIELDS: [&str; 7] = [
+    "mlp_hidden_act",
     "hidden_activation",
     "hidden_act",
     "activation_function",
@@ -460,7 +462,7 @@ impl HfModel {
                 .map(|(_, a)| *a)
                 .ok_or_else(|| {
                     self.error(
-                        ACTIVATION_FIELDS[1],
+                        "hidden_act",
                         format!(
                             "missing: no activation field ({}) in config.json",
                             ACTIVATION_FIELDS.join(", ")
@@ -497,6 +499,7 @@ impl HfModel {
     /// the sizes from `config.json` (`hidden_size`, `intermediate_size`, …), gated, with
     /// `mlp_bias`.
     pub fn ffn_config(&self) -> Result<FeedForwardConfig, Error> {
+        self.no_step_ffn_lacks()?;
         let activation = self.ffn_activation()?;
         let config = match self.dense.first() {
             Some(ffn) => self.found_config(ffn)?,
@@ -537,6 +540,33 @@ impl HfModel {
             .validate()
             .map_err(|e| self.error("config.json", e.to_string()))?;
         Ok(config)
+    }
+
+    /// The config fields that add a step to the FFN's function which ffn's layer has no form
+    /// for, refused unless they leave it out: Falcon-H1's `mlp_multipliers` (its gate's
+    /// pre-activation and its output scaled: `[1, 1]` leaves them), Gemma 3n's
+    /// `activation_sparsity_pattern` (a Gaussian top-k of the gate's outputs in each layer
+    /// whose entry is not 0).
+    fn no_step_ffn_lacks(&self) -> Result<(), Error> {
+        for (field, neutral, step) in [
+            (
+                "mlp_multipliers",
+                1.0,
+                "ffn's FFN does not scale its gate's pre-activation or its output",
+            ),
+            (
+                "activation_sparsity_pattern",
+                0.0,
+                "ffn's FFN has no top-k sparsity of its activations",
+            ),
+        ] {
+            match self.config.get(field) {
+                None | Some(Value::Null) => {}
+                Some(Value::Array(items)) if items.iter().all(|v| v.as_f64() == Some(neutral)) => {}
+                Some(v) => return Err(self.error(field, format!("is {v}: {step}"))),
+            }
+        }
+        Ok(())
     }
 
     /// The sizes, gating and biases of a dense FFN, read from its tensors.
