@@ -35,8 +35,8 @@ with the `moe_statics` selection bias, shared experts), hunyuan_v1_moe (`gate.wg
 `shared_mlp`), minimax_m2 (sigmoid with a selection bias, no groups), lfm2_moe (sigmoid,
 `expert_bias`, no activation field), afmoe (`router.gate`, sigmoid, `expert_bias`,
 `route_scale`, shared experts), cohere2_moe (softmax of the top-k logits, shared experts
-summed), granitemoeshared, glm4_moe_lite; and two the reader refuses: phimoe (SparseMixer
-routing) and jetmoe (an output bias on the mixture).
+summed), granitemoeshared, glm4_moe_lite, phimoe (SparseMixer routing, named by its type);
+and one the reader refuses: jetmoe (an output bias on the mixture).
 
     pip install torch transformers safetensors && python3 tools/moe_fixtures.py [NAME ...]
 """
@@ -139,8 +139,11 @@ def models():
             moe_k=2, moe_num_shared_experts=1, moe_layer_start_index=1, moe_layer_interval=1)),
         "hunyuan_v1_moe": (transformers.HunYuanMoEV1ForCausalLM, transformers.HunYuanMoEV1Config(
             **common, intermediate_size=EXPERT, num_experts=4, moe_topk=2, head_dim=8)),
+        # SparseMixer's band 2ε wide enough (ε = 0.3, Phi-3.5-MoE's is 0.01) that a weight's
+        # softmax takes several logits, so that the router has a gradient.
         "phimoe": (transformers.PhimoeForCausalLM, transformers.PhimoeConfig(
-            **common, intermediate_size=EXPERT, num_local_experts=4, num_experts_per_tok=2)),
+            **common, intermediate_size=EXPERT, num_local_experts=4, num_experts_per_tok=2,
+            router_jitter_noise=0.3)),
         "jetmoe": (transformers.JetMoeForCausalLM, transformers.JetMoeConfig(
             vocab_size=64, hidden_size=HIDDEN, num_hidden_layers=2, num_key_value_heads=2,
             kv_channels=8, intermediate_size=EXPERT, num_local_experts=4, num_experts_per_tok=2,

@@ -34,6 +34,16 @@ pub enum Scoring {
     Softmax,
     /// `p = σ(z)`, each expert scored on its own (DeepSeek-V3).
     Sigmoid,
+    /// SparseMixer (PhiMoE; Liu et al. 2024), as it routes at inference: the experts are the
+    /// top k by `z`, and slot `s`'s weight is a softmax over only the logits near its expert's,
+    ///
+    /// `w_s = softmax_{j ∈ B_s}(z)_{e_s}`, `B_s = { j ∉ {e_1, …, e_{s−1}} : (z_{e_s} − z_j) / max(|z_j|, z_{e_s}) ≤ 2ε }`,
+    ///
+    /// with `ε` the config's [`jitter`](MoeConfig::jitter) (PhiMoE's `router_jitter_noise`),
+    /// which then jitters nothing. The weights are not renormalised (`normalize_top_k = false`);
+    /// the balancing loss takes `p = softmax(z)`. Training uses the same deterministic routing:
+    /// SparseMixer's sampled experts and their gradient estimator are not implemented.
+    SparseMixer,
 }
 
 /// The configuration of a [`Moe`](crate::Moe) layer: `n_experts` routed experts, each a
@@ -65,7 +75,7 @@ pub struct MoeConfig {
     pub n_experts: usize,
     /// Experts per token, `k` (`1 ≤ k ≤ E`).
     pub top_k: usize,
-    /// Softmax (default) or sigmoid scores.
+    /// Softmax (default) or sigmoid scores, or SparseMixer's banded softmax weights.
     #[serde(default)]
     pub scoring: Scoring,
     /// Renormalise the `k` selected scores to sum to 1 (Mixtral, Qwen3-MoE, DeepSeek-V3; not
@@ -104,7 +114,8 @@ pub struct MoeConfig {
     #[serde(default = "bias_update_rate")]
     pub bias_update_rate: f64,
     /// Multiplicative jitter on the router's input in training, `x ⊙ U(1 − ε, 1 + ε)` (Switch);
-    /// 0 (the default) is off.
+    /// 0 (the default) is off. With [`Scoring::SparseMixer`] it is instead the width `ε` of
+    /// the band of logits each weight's softmax takes, and the input is not jittered.
     #[serde(default)]
     pub jitter: f64,
     /// Always-on shared experts (DeepSeek, Qwen2-MoE); 0 by default.
@@ -396,6 +407,22 @@ impl MoeConfig {
         }
         if !(self.jitter.is_finite() && (0.0..1.0).contains(&self.jitter)) {
             return invalid("jitter", format!("must be in [0, 1), got {}", self.jitter));
+        }
+        if self.scoring == Scoring::SparseMixer {
+            // Its weights are its own: no renormalising, bias, groups or input weighting.
+            for (field, set) in [
+                ("normalize_top_k", self.normalize_top_k),
+                ("selection_bias", self.selection_bias),
+                ("n_group", self.n_group > 1),
+                ("weight_input", self.weight_input),
+            ] {
+                if set {
+                    return invalid(
+                        field,
+                        "is not available with `scoring = \"sparse_mixer\"`".into(),
+                    );
+                }
+            }
         }
         if self.n_shared_experts == 0 && (self.shared_d_ff.is_some() || self.shared_expert_gate) {
             return invalid(

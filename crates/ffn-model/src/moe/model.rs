@@ -198,7 +198,12 @@ impl Moe {
 
         // z = x W_r (+ b_r), on the jittered input in training (Switch).
         let jitter = self.config.jitter;
-        let router_input = if jitter > 0.0 && self.training.is_enabled() && device.is_autodiff() {
+        let sparse_mixer = self.config.scoring == Scoring::SparseMixer;
+        let router_input = if jitter > 0.0
+            && !sparse_mixer
+            && self.training.is_enabled()
+            && device.is_autodiff()
+        {
             let noise = Tensor::<2>::random(
                 [tokens, d],
                 Distribution::Uniform(1.0 - jitter, 1.0 + jitter),
@@ -210,12 +215,13 @@ impl Moe {
         };
         let logits = self.router.forward(router_input);
         let scores = match self.config.scoring {
-            Scoring::Softmax => softmax(logits.clone(), 1),
+            Scoring::Softmax | Scoring::SparseMixer => softmax(logits.clone(), 1),
             Scoring::Sigmoid => sigmoid(logits.clone()),
         };
 
         let routing = self.route(&scores, tokens);
-        let mut output = self.routed(&x2, &scores, &routing, op);
+        let weights = self.weights(&logits, &scores, &routing, tokens);
+        let mut output = self.routed(&x2, weights, &routing, op);
         if let Some(shared) = &self.shared {
             let y = if op {
                 shared.forward(x2.clone())
@@ -286,9 +292,63 @@ impl Moe {
         route(&p, bias.as_deref(), tokens, spec)
     }
 
+    /// The routing weights of each token's `k` experts, `[T, k]`: `w = p_S (/ Σ p_S) ·
+    /// routed_scaling`, or SparseMixer's (see [`Scoring::SparseMixer`]) times `routed_scaling`.
+    fn weights(
+        &self,
+        logits: &Tensor<2>,
+        scores: &Tensor<2>,
+        routing: &Routing,
+        tokens: usize,
+    ) -> Tensor<2> {
+        let device = logits.device();
+        let k = self.config.top_k;
+        let selected: Vec<i64> = routing.selected.iter().map(|&e| e as i64).collect();
+        let selected =
+            Tensor::<1, Int>::from_data(TensorData::new(selected, [tokens * k]), &device);
+        let mut weights = if self.config.scoring == Scoring::SparseMixer {
+            // softmax over each slot's band B_s: z + 0 inside it, z + (−∞) outside, [T, k, E].
+            let e = self.n_experts();
+            let z: Vec<f64> = logits.clone().detach().into_data().iter::<f64>().collect();
+            let band = 2.0 * self.config.jitter;
+            let mut mask = vec![0f32; tokens * k * e];
+            for t in 0..tokens {
+                let z = &z[t * e..(t + 1) * e];
+                let chosen = &routing.selected[t * k..(t + 1) * k];
+                for (s, &expert) in chosen.iter().enumerate() {
+                    let top = z[expert];
+                    let row = &mut mask[(t * k + s) * e..(t * k + s + 1) * e];
+                    for (j, m) in row.iter_mut().enumerate() {
+                        // As PhiMoE computes it: a NaN ratio (0 / 0) is inside the band.
+                        let outside = (top - z[j]) / z[j].abs().max(top) > band;
+                        if outside || chosen[..s].contains(&j) {
+                            *m = f32::NEG_INFINITY;
+                        }
+                    }
+                }
+            }
+            let mask = Tensor::<3>::from_data(TensorData::new(mask, [tokens, k, e]), &device)
+                .cast(logits.dtype());
+            let banded = logits.clone().unsqueeze_dim::<3>(1).repeat_dim(1, k) + mask;
+            softmax(banded, 2)
+                .gather(2, selected.reshape([tokens, k, 1]))
+                .reshape([tokens, k])
+        } else {
+            scores.clone().gather(1, selected.reshape([tokens, k]))
+        };
+        if self.config.normalize_top_k {
+            // + 1e-20 (as DeepSeek-V3): sigmoid scores can all underflow to 0.
+            weights = weights.clone() / (weights.sum_dim(1) + 1e-20);
+        }
+        if self.config.routed_scaling != 1.0 {
+            weights = weights * self.config.routed_scaling;
+        }
+        weights
+    }
+
     /// `Σ_{e∈S} w_e FFN_e(x)` for every token: gather the pairs' inputs expert by expert, run
-    /// the experts, scale by the routing weights, add back to the tokens.
-    fn routed(&self, x: &Tensor<2>, scores: &Tensor<2>, routing: &Routing, op: bool) -> Tensor<2> {
+    /// the experts, scale by the routing weights (`[T, k]`), add back to the tokens.
+    fn routed(&self, x: &Tensor<2>, weights: Tensor<2>, routing: &Routing, op: bool) -> Tensor<2> {
         let device = x.device();
         let [tokens, d] = x.dims();
         let k = self.config.top_k;
@@ -301,17 +361,6 @@ impl Moe {
             let n = v.len();
             Tensor::<1, Int>::from_data(TensorData::new(v, [n]), &device)
         };
-        // w = p_S (/ Σ p_S) · routed_scaling, [T, k].
-        let selected = index(&routing.selected).reshape([tokens, k]);
-        let mut weights = scores.clone().gather(1, selected);
-        if self.config.normalize_top_k {
-            // + 1e-20 (as DeepSeek-V3): sigmoid scores can all underflow to 0.
-            weights = weights.clone() / (weights.sum_dim(1) + 1e-20);
-        }
-        if self.config.routed_scaling != 1.0 {
-            weights = weights * self.config.routed_scaling;
-        }
-
         let token_index = index(&routing.tokens);
         let x_sorted = x.clone().select(0, token_index.clone());
         let spec = Spec {
@@ -361,7 +410,7 @@ impl Moe {
         let device = logits.device();
         let e = self.n_experts();
         let probabilities = match self.config.scoring {
-            Scoring::Softmax => scores,
+            Scoring::Softmax | Scoring::SparseMixer => scores,
             Scoring::Sigmoid => scores.clone() / scores.sum_dim(1),
         };
         let p_mean = probabilities.mean_dim(0); // [1, E]

@@ -88,8 +88,8 @@ fn dense(moe: &Moe, x: Tensor<2>) -> Tensor<2> {
     let e_count = config.n_experts;
     let logits = moe.router().forward(x.clone());
     let p = match config.scoring {
-        Scoring::Softmax => softmax(logits, 1),
-        Scoring::Sigmoid => sigmoid(logits),
+        Scoring::Softmax | Scoring::SparseMixer => softmax(logits.clone(), 1),
+        Scoring::Sigmoid => sigmoid(logits.clone()),
     };
     let bias = moe
         .selection_bias()
@@ -103,7 +103,11 @@ fn dense(moe: &Moe, x: Tensor<2>) -> Tensor<2> {
         }
     }
     let mask = tensor::<2>(TensorData::new(mask, [tokens, e_count]), &device);
-    let mut w = p * mask;
+    let mut w = if config.scoring == Scoring::SparseMixer {
+        sparse_mixer_weights(logits, &config)
+    } else {
+        p * mask
+    };
     if config.normalize_top_k {
         w = w.clone() / w.sum_dim(1);
     }
@@ -120,6 +124,45 @@ fn dense(moe: &Moe, x: Tensor<2>) -> Tensor<2> {
         };
     }
     y
+}
+
+/// SparseMixer's weights as a `[T, E]` matrix, slot by slot: the `s`-th best expert `e_s` of
+/// a token gets `exp(z_{e_s}) / Σ_{j ∈ B_s} exp(z_j)`, `B_s` the experts not taken by an earlier
+/// slot whose logits lie within `2ε` of `z_{e_s}`, relative to `max(|z_j|, z_{e_s})`.
+fn sparse_mixer_weights(logits: Tensor<2>, config: &MoeConfig) -> Tensor<2> {
+    use std::cmp::Ordering;
+    let device = logits.device();
+    let [tokens, e_count] = logits.dims();
+    let z = values(logits.clone());
+    let exp = logits.exp();
+    let mut w = Tensor::<2>::zeros([tokens, e_count], (&device, DType::F64));
+    let mut taken = vec![Vec::new(); tokens];
+    for _slot in 0..config.top_k {
+        let (mut band, mut chosen) = (vec![0.0; tokens * e_count], vec![0.0; tokens * e_count]);
+        for t in 0..tokens {
+            let z = &z[t * e_count..(t + 1) * e_count];
+            let best = (0..e_count)
+                .filter(|e| !taken[t].contains(e))
+                .fold(None, |b: Option<usize>, e| match b {
+                    Some(b) if z[b] >= z[e] => Some(b),
+                    _ => Some(e),
+                })
+                .unwrap();
+            for j in 0..e_count {
+                let ratio = (z[best] - z[j]) / z[j].abs().max(z[best]);
+                // A NaN ratio (0 / 0) is inside, as PhiMoE computes it.
+                let outside = ratio.partial_cmp(&(2.0 * config.jitter)) == Some(Ordering::Greater);
+                let inside = !outside && !taken[t].contains(&j);
+                band[t * e_count + j] = if inside { 1.0 } else { 0.0 };
+            }
+            chosen[t * e_count + best] = 1.0;
+            taken[t].push(best);
+        }
+        let band = tensor::<2>(TensorData::new(band, [tokens, e_count]), &device);
+        let chosen = tensor::<2>(TensorData::new(chosen, [tokens, e_count]), &device);
+        w = w + chosen * exp.clone() / (band * exp.clone()).sum_dim(1);
+    }
+    w
 }
 
 /// Every parameter's gradient, by record path, flattened.
@@ -184,6 +227,13 @@ fn configs() -> Vec<(&'static str, MoeConfig)> {
                 .with_shared_experts(2, None, false),
         ),
         ("gelu-top1", MoeConfig::new(gelu, 3, 1)),
+        (
+            "phimoe",
+            MoeConfig::new(swiglu.clone(), 5, 2)
+                .with_scoring(Scoring::SparseMixer)
+                .with_normalize_top_k(false)
+                .with_jitter(0.3),
+        ),
     ]
 }
 
@@ -696,9 +746,9 @@ fn random_configs_validate_or_run() {
 
 /// Every MoE fixture (`tools/moe_fixtures.py`): its layer 1's block prefix, the scheme its
 /// keys follow (the model type's own where one is named after it; `None`: no scheme writes its
-/// names), and its sparse layers. The last fifteen are families the reader was not written
+/// names), and its sparse layers. The last sixteen are families the reader was not written
 /// against.
-const SPARSE: [(&str, &str, Option<&str>, &[usize]); 27] = [
+const SPARSE: [(&str, &str, Option<&str>, &[usize]); 28] = [
     (
         "mixtral",
         "model.layers.1.block_sparse_moe.",
@@ -806,12 +856,18 @@ const SPARSE: [(&str, &str, Option<&str>, &[usize]); 27] = [
     ),
     ("lfm2_moe", "model.layers.1.feed_forward.", None, &[1]),
     ("afmoe", "model.layers.1.mlp.", None, &[1]),
+    // SparseMixer routing in Mixtral's names.
+    (
+        "phimoe",
+        "model.layers.1.block_sparse_moe.",
+        Some("mixtral"),
+        &[0, 1],
+    ),
 ];
 
-/// Families whose routing the MoE layer has no form for, refused with the field that shows it
-/// (`tools/moe_fixtures.py`): PhiMoE's SparseMixer (its `model_type`), JetMoE's output bias
-/// (a tensor the layer has no place for).
-const REFUSED: [&str; 2] = ["phimoe", "jetmoe"];
+/// Families whose block the MoE layer has no form for, refused with the tensor that shows it
+/// (`tools/moe_fixtures.py`): JetMoE's output bias.
+const REFUSED: [&str; 1] = ["jetmoe"];
 
 /// The sparse block of tiny `transformers` models (`tools/moe_fixtures.py`) loaded with
 /// `HfModel::load_moe_layer`: output, router logits and the gradients of the input, the router
@@ -997,12 +1053,13 @@ fn broken_moe_checkpoints_are_typed_errors() {
 }
 
 /// Routings the MoE layer has no form for are typed errors that name what shows them, never a
-/// layer that computes another function: PhiMoE's SparseMixer (`model_type`), JetMoE's output
-/// bias (the tensor), Cohere2-MoE's averaged shared output
-/// (`shared_expert_combination_strategy = "average"`), a scoring function other than softmax
-/// or sigmoid. A stated scoring is honoured: Cohere2-MoE's `expert_selection_fn = "sigmoid"`
-/// and DeepSeek's `scoring_func` make sigmoid or softmax scores, with or without a selection
-/// bias (ERNIE 4.5 chooses by softmax scores plus its bias, the others by sigmoid ones).
+/// layer that computes another function: JetMoE's output bias (the tensor), Cohere2-MoE's
+/// averaged shared output (`shared_expert_combination_strategy = "average"`), a scoring
+/// function other than softmax or sigmoid. A stated scoring is honoured: Cohere2-MoE's
+/// `expert_selection_fn = "sigmoid"` and DeepSeek's `scoring_func` make sigmoid or softmax
+/// scores, with or without a selection bias (ERNIE 4.5 chooses by softmax scores plus its
+/// bias, the others by sigmoid ones); PhiMoE routes with SparseMixer, its
+/// `router_jitter_noise` the band's `ε`.
 #[test]
 fn routings_without_a_form_are_refused_and_stated_scoring_is_honoured() {
     use ffn_model::{Error, HfModel, Scoring};
@@ -1010,18 +1067,11 @@ fn routings_without_a_form_are_refused_and_stated_scoring_is_honoured() {
     for name in REFUSED {
         let mut model = open(name).unwrap();
         let result = model.load_moe_layer(1, &Device::flex()).map(drop);
-        match name {
-            "phimoe" => assert!(
-                matches!(&result, Err(Error::HfConfig { field, message, .. })
-                    if field == "model_type" && message.contains("SparseMixer")),
-                "{name}: {result:?}"
-            ),
-            _ => assert!(
-                matches!(&result, Err(Error::UnexpectedTensor { key, .. })
-                    if key == "model.layers.1.mlp.bias"),
-                "{name}: {result:?}"
-            ),
-        }
+        assert!(
+            matches!(&result, Err(Error::UnexpectedTensor { key, .. })
+                if key == "model.layers.1.mlp.bias"),
+            "{name}: {result:?}"
+        );
     }
     let refused = |name: &str, field: &str, value: serde_json::Value| {
         let dir = with_config(name, |c| c[field] = value.clone());
@@ -1074,6 +1124,11 @@ fn routings_without_a_form_are_refused_and_stated_scoring_is_honoured() {
     for name in ["minimax_m2", "lfm2_moe", "afmoe"] {
         assert_eq!(scoring(name, "", None).0, Sigmoid, "{name}");
     }
+    let phimoe = open("phimoe").unwrap().moe_config().unwrap();
+    assert_eq!(
+        (phimoe.scoring, phimoe.normalize_top_k, phimoe.jitter),
+        (Scoring::SparseMixer, false, 0.3)
+    );
 }
 
 /// A sparse layer loaded from a `transformers` checkpoint and saved back in its model type's

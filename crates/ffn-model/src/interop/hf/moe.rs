@@ -29,8 +29,8 @@
 //! Jamba, GraniteMoeShared, Cohere2-MoE, ERNIE-4.5-MoE, HunYuan-MoE, LFM2-MoE, AFMoE): a
 //! selection bias where any of them keeps it (`SELECTION_BIAS`), the scoring function a field
 //! names (`SCORING_FIELDS`), the routers and shared experts of `ROUTERS` and `SHARED`.
-//! What no key or field shows and the layer cannot compute is refused by name
-//! (`UNSUPPORTED_ROUTING`: PhiMoE's SparseMixer), or by the field or tensor that shows it.
+//! PhiMoE's SparseMixer routing, which no field states, is named in `SPARSE_MIXER`. What the
+//! layer cannot compute is refused by the field or tensor that shows it.
 //!
 //! Every type also accepts the packed layout that `transformers` holds in memory (and some
 //! exports write): `experts.gate_up_proj` `[E, 2·d_ff, d_model]` and `experts.down_proj`
@@ -106,13 +106,9 @@ const SCORING_FIELDS: [&str; 3] = ["scoring_func", "score_func", "expert_selecti
 /// The model types that choose by softmax scores plus a selection bias with no field to say
 /// so: ERNIE 4.5's `moe_statics`.
 const SOFTMAX_SELECTION: [&str; 1] = ["ernie4_5_moe"];
-/// The model types whose routing this reader cannot express, and why: loading them as their
-/// keys suggest would compute another function.
-const UNSUPPORTED_ROUTING: [(&str, &str); 1] = [(
-    "phimoe",
-    "PhiMoE routes with SparseMixer (each of its top 2 experts weighted by a softmax over \
-     the logits within a jitter band of it), which ffn's router does not implement",
-)];
+/// The model types that route with SparseMixer ([`Scoring::SparseMixer`]), which no field
+/// states: PhiMoE (its `router_jitter_noise` the band's `ε`).
+const SPARSE_MIXER: [&str; 1] = ["phimoe"];
 /// Where a block keeps its shared experts: Qwen2-MoE's and Llama 4's one `shared_expert`,
 /// HunYuan-MoE's one `shared_mlp`, or DeepSeek's `shared_experts` (`n_shared_experts` of the
 /// experts' width, stored as one MLP).
@@ -280,9 +276,6 @@ impl HfModel {
     /// load with [`load_layer`](Self::load_layer).
     pub fn moe_config(&self) -> Result<MoeConfig, Error> {
         let kind = self.model_type();
-        if let Some((_, why)) = UNSUPPORTED_ROUTING.iter().find(|(t, _)| *t == kind) {
-            return Err(self.error("model_type", format!("`{kind}`: {why}")));
-        }
         let Some((_, prefix)) = self.sparse_blocks().into_iter().next() else {
             return Err(self.error(
                 "model_type",
@@ -412,6 +405,11 @@ impl HfModel {
                 "moe_num_shared_experts",
             ])?;
             config = config.with_shared_experts(count, None, false);
+        }
+        if SPARSE_MIXER.contains(&kind) {
+            config = config
+                .with_scoring(Scoring::SparseMixer)
+                .with_normalize_top_k(false);
         }
         if INPUT_WEIGHTED.contains(&kind) {
             config = config
