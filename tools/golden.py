@@ -63,6 +63,8 @@ ACTIVATIONS = {
     "tanh": torch.tanh,
     # gpt-oss's clamped SwiGLU: φ(g) = g' σ(1.702 g'), g' = min(g, 7) ...
     "swiglu_oai": lambda x: x.clamp(max=7.0) * torch.sigmoid(1.702 * x.clamp(max=7.0)),
+    # CLIP's quick_gelu, as transformers' QuickGELUActivation computes it.
+    "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
 }
 # ... whose gated unit also clips and shifts the up side: h = φ(g) ⊙ ψ(u), ψ(u) = clamp(u, ±7) + 1.
 # Every other activation has ψ(u) = u.

@@ -22,6 +22,7 @@ submodule in eval mode:
     minicpm3, vaultgemma, youtu, cwm
                  model.layers[i].mlp(x) (apertus's xIELU and bitnet's ffn_sub_norm: refused)
     lfm2         model.layers[i].feed_forward(x)
+    clip_text, siglip_text, vit, electra, whisper (encoder), mt5   the layer's FFN
     nemotron_h   model.layers[i].mixer(x); falcon_h1 model.layers[i].feed_forward(x) and gemma3n
                  model.layers[i].mlp(x) (refused: mlp_multipliers, activation_sparsity_pattern)
     gpt_neox, falcon, gptj, gpt_bigcode     the layer's mlp(x)
@@ -207,6 +208,31 @@ def models():
         "vaultgemma": (transformers.VaultGemmaForCausalLM, transformers.VaultGemmaConfig(**dec, head_dim=8), mlp),
         "youtu": (transformers.YoutuForCausalLM, transformers.YoutuConfig(**dec, q_lora_rank=8, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=8), mlp),
         "cwm": (transformers.CwmForCausalLM, transformers.CwmConfig(**dec, head_dim=8), mlp),
+        # Encoders: CLIP's text tower (quick_gelu), SigLIP's (the tanh GELU), ViT, ELECTRA (BERT's
+        # names), Whisper's encoder (BART's), mT5 (T5's gated-gelu).
+        "clip_text": (transformers.CLIPTextModel, transformers.CLIPTextConfig(
+            vocab_size=64, hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=2,
+            num_attention_heads=2, max_position_embeddings=32), lambda m, i: m.encoder.layers[i].mlp),
+        "siglip_text": (transformers.SiglipTextModel, transformers.SiglipTextConfig(
+            vocab_size=64, hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=2,
+            num_attention_heads=2, max_position_embeddings=32), lambda m, i: m.encoder.layers[i].mlp),
+        "vit": (transformers.ViTModel, transformers.ViTConfig(
+            hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=2, intermediate_size=INTER,
+            image_size=16, patch_size=8), lambda m, i: m.layers[i].mlp),
+        "electra": (transformers.ElectraForMaskedLM, transformers.ElectraConfig(
+            **common, hidden_size=HIDDEN, embedding_size=HIDDEN, num_hidden_layers=2,
+            num_attention_heads=2, intermediate_size=INTER, max_position_embeddings=32),
+            lambda m, i: lambda x: m.electra.encoder.layer[i].output.dense(
+                m.electra.encoder.layer[i].intermediate(x))),
+        "whisper": (transformers.WhisperModel, transformers.WhisperConfig(
+            **common, d_model=HIDDEN, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
+            decoder_attention_heads=2, encoder_ffn_dim=INTER, decoder_ffn_dim=INTER, num_mel_bins=8,
+            max_source_positions=16, max_target_positions=16, pad_token_id=0, bos_token_id=1,
+            eos_token_id=2, decoder_start_token_id=1),
+            lambda m, i: two(m.encoder.layers[i].fc1, m.encoder.layers[i].activation_fn,
+                             m.encoder.layers[i].fc2)),
+        "mt5": (transformers.MT5ForConditionalGeneration, transformers.MT5Config(**t5),
+                lambda m, i: m.encoder.block[i].layer[1].DenseReluDense),
         # Hybrids with Mamba layers: Nemotron-H's MLP layers (ReLU², its `mlp_hidden_act`) are
         # its `mixer`; Falcon-H1 scales its gate's pre-activation and its output
         # (`mlp_multipliers`, refused); Gemma 3n sparsifies its activations (refused).

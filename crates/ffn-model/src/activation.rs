@@ -56,6 +56,9 @@ pub enum Activation {
     /// The constants are [`Activation::OAI_ALPHA`] and [`Activation::OAI_LIMIT`], gpt-oss's
     /// `swiglu_alpha` and `swiglu_limit`.
     SwigluOai,
+    /// GELU's sigmoid approximation, `x σ(1.702 x)` (Hendrycks & Gimpel 2016); CLIP's
+    /// `quick_gelu`.
+    QuickGelu,
 }
 
 impl Activation {
@@ -63,9 +66,11 @@ impl Activation {
     pub const OAI_ALPHA: f64 = 1.702;
     /// The clip of [`Activation::SwigluOai`]: `g' = min(g, limit)`, `clamp(u, −limit, limit)`.
     pub const OAI_LIMIT: f64 = 7.0;
+    /// `α` of [`Activation::QuickGelu`], `x σ(α x)`: 1.702, as CLIP has it.
+    pub const QUICK_GELU_ALPHA: f64 = 1.702;
 
     /// Every activation, in the order of their persisted codes.
-    pub const ALL: [Activation; 9] = [
+    pub const ALL: [Activation; 10] = [
         Activation::Relu,
         Activation::Gelu,
         Activation::GeluTanh,
@@ -75,6 +80,7 @@ impl Activation {
         Activation::Relu2,
         Activation::Tanh,
         Activation::SwigluOai,
+        Activation::QuickGelu,
     ];
 
     /// Alternative spellings accepted when parsing, mostly `transformers`' `hidden_act` names,
@@ -109,6 +115,7 @@ impl Activation {
             Activation::Relu2 => "relu2",
             Activation::Tanh => "tanh",
             Activation::SwigluOai => "swiglu_oai",
+            Activation::QuickGelu => "quick_gelu",
         }
     }
 
@@ -168,6 +175,10 @@ impl Activation {
             Activation::SwigluOai => {
                 let clipped = x.clamp_max(Self::OAI_LIMIT);
                 clipped.clone() * activation::sigmoid(clipped.mul_scalar(Self::OAI_ALPHA))
+            }
+            // x σ(1.702 x)
+            Activation::QuickGelu => {
+                x.clone() * activation::sigmoid(x.mul_scalar(Self::QUICK_GELU_ALPHA))
             }
         }
     }

@@ -189,6 +189,7 @@ impl Loops for Activation {
             Activation::Sigmoid => fwd(a, u, h, |x| sigmoid_grad(x).0),
             Activation::Identity => fwd(a, u, h, |x| x),
             Activation::Relu2 => fwd(a, u, h, |x| relu2(x).0),
+            Activation::QuickGelu => fwd(a, u, h, |x| quick_gelu(x).0),
             Activation::Tanh | Activation::SwigluOai => unreachable!("not vectorised"),
         }
     }
@@ -204,6 +205,7 @@ impl Loops for Activation {
             Activation::Sigmoid => bwd_in_place(a, d, |x| sigmoid_grad(x).1),
             Activation::Identity => {}
             Activation::Relu2 => bwd_in_place(a, d, |x| relu2(x).1),
+            Activation::QuickGelu => bwd_in_place(a, d, |x| quick_gelu(x).1),
             Activation::Tanh | Activation::SwigluOai => unreachable!("not vectorised"),
         }
     }
@@ -222,6 +224,7 @@ impl Loops for Activation {
             Activation::Sigmoid => bwd(dh, a, up, out, sigmoid_grad),
             Activation::Identity => bwd(dh, a, up, out, |x| (x, 1.0)),
             Activation::Relu2 => bwd(dh, a, up, out, relu2),
+            Activation::QuickGelu => bwd(dh, a, up, out, quick_gelu),
             Activation::Tanh | Activation::SwigluOai => unreachable!("not vectorised"),
         }
     }
@@ -331,6 +334,15 @@ fn sigmoid_grad(x: f32) -> (f32, f32) {
 fn silu(x: f32) -> (f32, f32) {
     let s = 1.0 / (1.0 + exp(-x));
     (x * s, s * (1.0 + x * (1.0 - s)))
+}
+
+/// CLIP's `x σ(αx)`, `α = 1.702`, and its derivative `s + α x s (1 - s)`, `s = σ(αx)`.
+#[inline(always)]
+fn quick_gelu(x: f32) -> (f32, f32) {
+    const ALPHA: f32 = Activation::QUICK_GELU_ALPHA as f32;
+    let s = 1.0 / (1.0 + exp(-(ALPHA * x)));
+    let phi = x * s;
+    (phi, s + ALPHA * phi * (1.0 - s))
 }
 
 /// GELU's tanh form `x σ(2u)`, `2u = k (x + c x³)`, `k = 2√(2/π)`, and its derivative

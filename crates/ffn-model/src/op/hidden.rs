@@ -166,6 +166,19 @@ pub(super) fn activate_and_backward<B: Backend>(
             let d = times(one_minus::<B>(mul::<B>(th.clone(), th.clone())));
             (th, d)
         }
+        // φ(a) = a s,  s = σ(α a):  φ'(a) = s + α a s (1 - s)
+        Activation::QuickGelu => {
+            let s = B::sigmoid(scale::<B>(a.clone(), Activation::QUICK_GELU_ALPHA));
+            let phi = mul::<B>(a, s.clone());
+            let d = upstream.map(|up| {
+                let ds = mul::<B>(phi.clone(), one_minus::<B>(s.clone()));
+                mul::<B>(
+                    up,
+                    B::float_add(s, scale::<B>(ds, Activation::QUICK_GELU_ALPHA)),
+                )
+            });
+            (phi, d)
+        }
         // φ(a) = a' s,  a' = min(a, L),  s = σ(α a'):  φ'(a) = [a ≤ L] (s + α a' s (1 - s))
         Activation::SwigluOai => {
             let clipped = B::float_clamp_max(a.clone(), Activation::OAI_LIMIT.into());

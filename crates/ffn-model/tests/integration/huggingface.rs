@@ -149,6 +149,13 @@ fn families_the_reader_was_not_written_for_load_by_their_patterns() {
         ("arcee", Activation::Relu2, false, 40, Scheme::Llama),
         ("jais2", Activation::Relu2, false, 40, Scheme::Llama),
         ("vaultgemma", Activation::GeluTanh, true, 40, Scheme::Llama),
+        // Encoders: CLIP's quick_gelu, SigLIP's and mT5's tanh GELU.
+        ("clip_text", Activation::QuickGelu, false, 40, Scheme::Fc),
+        ("siglip_text", Activation::GeluTanh, false, 40, Scheme::Fc),
+        ("vit", Activation::Gelu, false, 40, Scheme::Bert),
+        ("electra", Activation::Gelu, false, 40, Scheme::Bert),
+        ("whisper", Activation::Gelu, false, 40, Scheme::Fc),
+        ("mt5", Activation::GeluTanh, true, 40, Scheme::T5),
         // Nemotron-H: its MLP layers are `mixer`s, their activation its `mlp_hidden_act`.
         ("nemotron_h", Activation::Relu2, false, 40, Scheme::Llama),
     ] {
