@@ -846,16 +846,31 @@ const SPARSE: [(&str, &str, Option<&str>, &[usize]); 28] = [
         Some("deepseek_v2"),
         &[0, 1],
     ),
-    ("ernie4_5_moe", "model.layers.1.mlp.", None, &[1]),
-    ("hunyuan_v1_moe", "model.layers.1.mlp.", None, &[0, 1]),
+    (
+        "ernie4_5_moe",
+        "model.layers.1.mlp.",
+        Some("ernie4_5_moe"),
+        &[1],
+    ),
+    (
+        "hunyuan_v1_moe",
+        "model.layers.1.mlp.",
+        Some("hunyuan_v1_moe"),
+        &[0, 1],
+    ),
     (
         "minimax_m2",
         "model.layers.1.block_sparse_moe.",
-        None,
+        Some("minimax_m2"),
         &[0, 1],
     ),
-    ("lfm2_moe", "model.layers.1.feed_forward.", None, &[1]),
-    ("afmoe", "model.layers.1.mlp.", None, &[1]),
+    (
+        "lfm2_moe",
+        "model.layers.1.feed_forward.",
+        Some("lfm2_moe"),
+        &[1],
+    ),
+    ("afmoe", "model.layers.1.mlp.", Some("afmoe"), &[1]),
     // SparseMixer routing in Mixtral's names.
     (
         "phimoe",
@@ -1173,7 +1188,9 @@ fn moe_layers_save_back_to_their_checkpoint_names() {
             );
             assert!(a.data() == b.data(), "{name} {key}: values differ");
         }
-        let other = if scheme == ffn_model::MoeScheme::DeepseekV3 {
+        // A scheme of the other kind: with a selection bias where the layer has none, and
+        // the reverse.
+        let other = if moe.config().selection_bias {
             ffn_model::MoeScheme::Mixtral
         } else {
             ffn_model::MoeScheme::DeepseekV3

@@ -22,11 +22,18 @@
 //! | `deepseek_v3` | `model.layers.i.mlp.` | `experts.{e}.{gate,up,down}_proj`, `shared_experts.*`, `gate.e_score_correction_bias` | `n_routed_experts`, `moe_intermediate_size`, `n_group`, `topk_group`, `n_shared_experts`, `routed_scaling_factor`, `norm_topk_prob` |
 //! | `dbrx` | `transformer.blocks.i.ffn.` | `router.layer.weight`; `experts.mlp.w1`, `v1`, `w2`, each `[E·d_ff, d_model]` | in `ffn_config`: `moe_num_experts`, `moe_top_k`, `ffn_hidden_size`, `ffn_act_fn` (`{"name": …}`), `moe_normalize_expert_weights` (1: renormalised) |
 //! | `gpt_oss` | `model.layers.i.mlp.` | `router.weight`, `router.bias`; packed `experts.gate_up_proj` `[E, d_model, 2·d_ff]` (gate and up interleaved) and `experts.down_proj` `[E, d_ff, d_model]`, with `_bias` `[E, 2·d_ff]`, `[E, d_model]` | `num_local_experts`, `intermediate_size`, `swiglu_limit` (the clamped SwiGLU, [`Activation::SwigluOai`]) (softmax of the top-k logits) |
+//! | `ernie4_5_moe` | `model.layers.i.mlp.` | `experts.{e}.{gate,up,down}_proj`, `shared_experts.*`, `moe_statics.e_score_correction_bias` `[1, E]` | `moe_num_experts`, `moe_k`, `moe_intermediate_size`, `moe_num_shared_experts` (softmax scores chosen with the bias: named in `SOFTMAX_SELECTION`) |
+//! | `hunyuan_v1_moe` | `model.layers.i.mlp.` | `gate.wg.weight`; `experts.{e}.{gate,up,down}_proj`, `shared_mlp.*` | `num_experts`, `moe_topk`, `intermediate_size` |
+//! | `minimax_m2` | `model.layers.i.block_sparse_moe.` | `experts.{e}.w1/w3/w2`, `e_score_correction_bias` | `num_local_experts`, `intermediate_size`, `scoring_func` |
+//! | `lfm2_moe` | `model.layers.i.feed_forward.` | `experts.{e}.w1/w3/w2`, `expert_bias` | `num_experts`, `moe_intermediate_size`, `norm_topk_prob`, `routed_scaling_factor` (SiLU: named in the dense reader's defaults) |
+//! | `afmoe` | `model.layers.i.mlp.` | `router.gate.weight`; `experts.{e}.{gate,up,down}_proj`, `shared_experts.*`, `expert_bias` | `num_experts`, `moe_intermediate_size`, `num_shared_experts`, `route_scale` |
+//! | `phimoe` | `model.layers.i.block_sparse_moe.` | as `mixtral` | `router_jitter_noise` (SparseMixer's `ε`: named in `SPARSE_MIXER`) |
 //! | `llama4_text`, `llama4` | `model.layers.i.feed_forward.` | `router.weight`; packed `experts.gate_up_proj` `[E, d_model, 2·d_ff]` (gate half first), `experts.down_proj` `[E, d_ff, d_model]`; `shared_expert.*` | `num_local_experts`, `intermediate_size` (the dense layers': `intermediate_size_mlp`), `moe_layers` (sigmoid top-k scaling the expert's input: the one routing no field states) |
 //!
 //! Families no row names load by the same keys and fields (tested against `transformers`:
-//! Qwen3.5-MoE, GLM-4-MoE and -Lite, dots.llm1, EXAONE-MoE, MiniMax and MiniMax-M2, FlexOlmo,
-//! Jamba, GraniteMoeShared, Cohere2-MoE, ERNIE-4.5-MoE, HunYuan-MoE, LFM2-MoE, AFMoE): a
+//! Qwen3.5-MoE, GLM-4-MoE and -Lite, dots.llm1, EXAONE-MoE, MiniMax, FlexOlmo, Jamba,
+//! GraniteMoeShared, Cohere2-MoE; the rows from `ernie4_5_moe` to `phimoe` were found the same
+//! way, and have rows for their schemes or the one table entry they need): a
 //! selection bias where any of them keeps it (`SELECTION_BIAS`), the scoring function a field
 //! names (`SCORING_FIELDS`), the routers and shared experts of `ROUTERS` and `SHARED`.
 //! PhiMoE's SparseMixer routing, which no field states, is named in `SPARSE_MIXER`. What the
@@ -75,6 +82,21 @@ pub enum MoeScheme {
     /// `[E, d_model, 2·d_ff]` (the gate half first) and `experts.down_proj` `[E, d_ff, d_model]`;
     /// one ungated `shared_expert.*`.
     Llama4,
+    /// ERNIE 4.5 MoE: `gate.weight`, `experts.{e}.{gate,up,down}_proj`, ungated
+    /// `shared_experts.*`, and the selection bias as `moe_statics.e_score_correction_bias`
+    /// `[1, E]`.
+    Ernie45Moe,
+    /// HunYuan-MoE: `gate.wg.weight`, `experts.{e}.{gate,up,down}_proj`, one ungated
+    /// `shared_mlp.*`.
+    HunyuanMoe,
+    /// MiniMax-M2: `gate.weight`, `experts.{e}.w1/w3/w2`, the selection bias
+    /// `e_score_correction_bias` beside the router.
+    MinimaxM2,
+    /// LFM2-MoE: `gate.weight`, `experts.{e}.w1/w3/w2`, the selection bias `expert_bias`.
+    Lfm2Moe,
+    /// AFMoE: `router.gate.weight`, `experts.{e}.{gate,up,down}_proj`, ungated
+    /// `shared_experts.*`, the selection bias `expert_bias`.
+    Afmoe,
 }
 
 /// The names a sparse block's router has (`{prefix}…`), and those of its experts when they
@@ -126,7 +148,7 @@ pub(super) const PACKED: [(&str, &str); 2] = [
 
 impl MoeScheme {
     /// Every scheme.
-    pub const ALL: [MoeScheme; 9] = [
+    pub const ALL: [MoeScheme; 14] = [
         MoeScheme::Mixtral,
         MoeScheme::Qwen2Moe,
         MoeScheme::Qwen3Moe,
@@ -136,6 +158,11 @@ impl MoeScheme {
         MoeScheme::Dbrx,
         MoeScheme::GptOss,
         MoeScheme::Llama4,
+        MoeScheme::Ernie45Moe,
+        MoeScheme::HunyuanMoe,
+        MoeScheme::MinimaxM2,
+        MoeScheme::Lfm2Moe,
+        MoeScheme::Afmoe,
     ];
 
     /// The scheme's name: the `model_type` it is named after.
@@ -150,6 +177,11 @@ impl MoeScheme {
             MoeScheme::Dbrx => "dbrx",
             MoeScheme::GptOss => "gpt_oss",
             MoeScheme::Llama4 => "llama4",
+            MoeScheme::Ernie45Moe => "ernie4_5_moe",
+            MoeScheme::HunyuanMoe => "hunyuan_v1_moe",
+            MoeScheme::MinimaxM2 => "minimax_m2",
+            MoeScheme::Lfm2Moe => "lfm2_moe",
+            MoeScheme::Afmoe => "afmoe",
         }
     }
 }
@@ -480,8 +512,10 @@ impl HfModel {
         Ok(config)
     }
 
-    /// The scheme the sparse blocks are stored in, from their keys and routing: GraniteMoE's
-    /// `router.layer`, a biased router or the clamped SwiGLU (gpt-oss), input-weighted routing
+    /// The scheme the sparse blocks are stored in, from their keys and routing: DBRX's
+    /// `experts.mlp`, HunYuan's `gate.wg`, AFMoE's `router.gate`, ERNIE 4.5's `moe_statics`,
+    /// `w1` experts with LFM2-MoE's `expert_bias` or MiniMax-M2's `e_score_correction_bias`,
+    /// GraniteMoE's `router.layer`, a biased router or the clamped SwiGLU (gpt-oss), input-weighted routing
     /// (Llama 4), `w1` experts (Mixtral), a gated `shared_expert` (Qwen2-MoE), an
     /// `e_score_correction_bias` (DeepSeek-V3), `shared_experts` (DeepSeek-V2), else
     /// Qwen3-MoE's names.
@@ -495,6 +529,16 @@ impl HfModel {
         let has = |suffix: &str| self.files.info(&format!("{prefix}{suffix}")).is_some();
         Ok(if has("experts.mlp.w1") {
             MoeScheme::Dbrx
+        } else if has("gate.wg.weight") {
+            MoeScheme::HunyuanMoe
+        } else if has("router.gate.weight") {
+            MoeScheme::Afmoe
+        } else if has("moe_statics.e_score_correction_bias") {
+            MoeScheme::Ernie45Moe
+        } else if has("experts.0.w1.weight") && has("expert_bias") {
+            MoeScheme::Lfm2Moe
+        } else if has("experts.0.w1.weight") && has("e_score_correction_bias") {
+            MoeScheme::MinimaxM2
         } else if has("router.layer.weight") {
             MoeScheme::GraniteMoe
         } else if config.router_bias || config.expert.activation == Activation::SwigluOai {

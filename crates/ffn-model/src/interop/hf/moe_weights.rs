@@ -260,20 +260,38 @@ impl Moe {
         if !gpt_oss && biases.contains(&true) {
             return refuse("its experts or its router have biases");
         }
-        let deepseek = matches!(scheme, MoeScheme::DeepseekV2 | MoeScheme::DeepseekV3);
-        if self.selection_bias.is_some() != (scheme == MoeScheme::DeepseekV3) {
-            return refuse("the selection bias is DeepSeek-V3's only, and it needs one");
+        // Where the scheme keeps the selection bias, which it needs: DeepSeek-V3's on its
+        // router, ERNIE 4.5's `[1, E]` in `moe_statics`, LFM2-MoE's and AFMoE's
+        // `expert_bias`, MiniMax-M2's beside the router.
+        let selection_bias = match scheme {
+            MoeScheme::DeepseekV3 => Some("gate.e_score_correction_bias"),
+            MoeScheme::Ernie45Moe => Some("moe_statics.e_score_correction_bias"),
+            MoeScheme::Lfm2Moe | MoeScheme::Afmoe => Some("expert_bias"),
+            MoeScheme::MinimaxM2 => Some("e_score_correction_bias"),
+            _ => None,
+        };
+        if self.selection_bias.is_some() != selection_bias.is_some() {
+            return refuse(
+                "a selection bias is DeepSeek-V3's, ERNIE 4.5's, MiniMax-M2's, LFM2-MoE's and \
+                 AFMoE's only, and they need one",
+            );
         }
-        // (shared experts, their gate) the scheme holds.
-        let shared_form = match scheme {
-            MoeScheme::Qwen2Moe => (true, true),
-            MoeScheme::DeepseekV2 | MoeScheme::DeepseekV3 => (self.shared.is_some(), false),
-            MoeScheme::Llama4 => (true, false),
+        // (shared experts, their gate) the scheme holds, and their stem.
+        let (shared_form, shared_stem) = match scheme {
+            MoeScheme::Qwen2Moe => ((true, true), "shared_expert"),
+            MoeScheme::DeepseekV2
+            | MoeScheme::DeepseekV3
+            | MoeScheme::Ernie45Moe
+            | MoeScheme::Afmoe => ((self.shared.is_some(), false), "shared_experts"),
+            MoeScheme::Llama4 => ((true, false), "shared_expert"),
+            MoeScheme::HunyuanMoe => ((true, false), "shared_mlp"),
             MoeScheme::Mixtral
             | MoeScheme::Qwen3Moe
             | MoeScheme::GraniteMoe
             | MoeScheme::Dbrx
-            | MoeScheme::GptOss => (false, false),
+            | MoeScheme::GptOss
+            | MoeScheme::MinimaxM2
+            | MoeScheme::Lfm2Moe => ((false, false), "shared_expert"),
         };
         if (self.shared.is_some(), self.shared_gate.is_some()) != shared_form {
             return refuse("its shared experts (or their gate) differ from the type's");
@@ -284,14 +302,22 @@ impl Moe {
         let router = match scheme {
             MoeScheme::GraniteMoe | MoeScheme::Dbrx => "router.layer.weight",
             MoeScheme::GptOss | MoeScheme::Llama4 => "router.weight",
+            MoeScheme::HunyuanMoe => "gate.wg.weight",
+            MoeScheme::Afmoe => "router.gate.weight",
             _ => "gate.weight",
         };
         put(router, to_pytorch(self.router.weight.val()));
         if let Some(bias) = &self.router.bias {
             put(&bias_key(router), to_pytorch(bias.val()));
         }
-        if let Some(bias) = &self.selection_bias {
-            put("gate.e_score_correction_bias", to_pytorch(bias.val()));
+        if let (Some(bias), Some(key)) = (&self.selection_bias, selection_bias) {
+            let bias = bias.val();
+            let bias = if scheme == MoeScheme::Ernie45Moe {
+                to_host(bias.unsqueeze_dim::<2>(0))
+            } else {
+                to_pytorch(bias)
+            };
+            put(key, bias);
         }
         let [gate, up, down] = [w_gate, &self.w_up, &self.w_down].map(|p| p.val());
         match scheme {
@@ -340,7 +366,9 @@ impl Moe {
             }
             _ => {
                 let names = match scheme {
-                    MoeScheme::Mixtral => ["w1", "w3", "w2"],
+                    MoeScheme::Mixtral | MoeScheme::MinimaxM2 | MoeScheme::Lfm2Moe => {
+                        ["w1", "w3", "w2"]
+                    }
                     _ => ["gate_proj", "up_proj", "down_proj"],
                 };
                 for e in 0..self.n_experts() {
@@ -364,11 +392,7 @@ impl Moe {
                 return refuse("its shared experts have biases");
             }
             let up = shared.up().expect("unfused");
-            let stem = if deepseek {
-                "shared_experts"
-            } else {
-                "shared_expert"
-            };
+            let stem = shared_stem;
             for (name, linear) in [
                 ("gate_proj", gate),
                 ("up_proj", up),
