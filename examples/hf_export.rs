@@ -17,6 +17,13 @@ use std::path::{Path, PathBuf};
 use burn::tensor::{DType, Device, Tensor, TensorData};
 use ffn_model::HfModel;
 
+/// The loaded layer, or `None` with a line saying why the reader refused it.
+fn unless_refused<T>(name: &str, loaded: Result<T, ffn_model::Error>) -> Option<T> {
+    loaded
+        .inspect_err(|e| println!("{name}: left out (refused: {e})"))
+        .ok()
+}
+
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let out = PathBuf::from(std::env::args().nth(1).ok_or("usage: hf_export DIR")?);
     std::fs::create_dir_all(&out)?;
@@ -36,16 +43,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let mut model = HfModel::open(&folder)?;
         let weights = out.join(format!("{name}.layer1.safetensors"));
         let (prefix, y) = if folder.join("moe_io.safetensors").is_file() {
-            // A family whose routing ffn has no form for (PhiMoE, JetMoE) is refused: left out.
+            // A family whose block ffn has no form for (JetMoE) is refused: left out.
             let loaded = model
                 .moe_layer_prefix(1)
                 .and_then(|prefix| Ok((prefix, model.load_moe_layer(1, &device)?)));
-            let (prefix, moe) = match loaded {
-                Ok(loaded) => loaded,
-                Err(e) => {
-                    println!("{name}: left out (refused: {e})");
-                    continue;
-                }
+            let Some((prefix, moe)) = unless_refused(name, loaded) else {
+                continue;
             };
             let scheme = model.moe_scheme()?;
             if let Err(e) = moe.save_safetensors_as(&weights, scheme, &prefix) {
@@ -79,12 +82,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             let loaded = model
                 .layer_prefix(1)
                 .and_then(|prefix| Ok((prefix, model.load_layer(1, &device)?)));
-            let (prefix, ffn) = match loaded {
-                Ok(loaded) => loaded,
-                Err(e) => {
-                    println!("{name}: left out (refused: {e})");
-                    continue;
-                }
+            let Some((prefix, ffn)) = unless_refused(name, loaded) else {
+                continue;
             };
             ffn.save_safetensors_as(&weights, model.scheme(), &prefix)?;
             let x = input(&folder.join("ffn_io.safetensors"), &device)?;
