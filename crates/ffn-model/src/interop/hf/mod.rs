@@ -595,10 +595,14 @@ impl HfModel {
             }
         };
         // The config's sizes, where it states them, must be the tensors'.
-        for (fields, size) in [(&D_MODEL_FIELDS[..], d_model), (&D_FF_FIELDS[..], d_ff)] {
+        for (fields, size, width) in [
+            (&D_MODEL_FIELDS[..], d_model, false),
+            (&D_FF_FIELDS[..], d_ff, true),
+        ] {
             if let Some(field) = self.first_field(fields) {
                 let stated = self.size(field)?;
-                let stated = if size == d_ff {
+                // LFM2's adjustment applies to the stated width only, even where d_model = d_ff.
+                let stated = if width {
                     self.auto_adjusted_d_ff(stated)?
                 } else {
                     stated

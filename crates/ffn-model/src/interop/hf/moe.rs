@@ -451,7 +451,8 @@ impl HfModel {
         }
         let selection_bias = SELECTION_BIAS.iter().any(|key| has(key));
         let method = self.string("topk_method", "")?;
-        let scoring = match self.first_field(&SCORING_FIELDS) {
+        let scoring_field = self.first_field(&SCORING_FIELDS);
+        let scoring = match scoring_field {
             Some(field) => match self.string(field, "")?.as_str() {
                 "softmax" => Some(Scoring::Softmax),
                 "sigmoid" => Some(Scoring::Sigmoid),
@@ -467,9 +468,7 @@ impl HfModel {
         if let Some(scoring) = scoring {
             config = config.with_scoring(scoring);
             // Cohere2-MoE's softmax is over the top-k logits: the top k renormalised.
-            if scoring == Scoring::Softmax
-                && self.first_field(&SCORING_FIELDS) == Some("expert_selection_fn")
-            {
+            if scoring == Scoring::Softmax && scoring_field == Some("expert_selection_fn") {
                 config = config.with_normalize_top_k(true);
             }
         }
